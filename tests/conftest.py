@@ -1,0 +1,39 @@
+"""Tests run the kernels on the GPU when there is one, else in Triton's interpreter."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# The interpreter runs a kernel in seconds, not microseconds: few, well-chosen examples.
+settings.register_profile(
+    "ci", max_examples=12, deadline=None, derandomize=False, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("gpu", max_examples=60, deadline=None, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
+                                     "gpu" if torch.cuda.is_available() else "ci"))
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture
+def device():
+    return DEVICE
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with a pattern no kernel writes (NaN for floats, 0xA5.. for
+    integers), so that unwritten elements show."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.uint8:
+        t.fill_(0xA5)
+    else:
+        t.fill_(-0x5A5A5A5A if t.dtype in (torch.int32, torch.int64) else 0)
+    return t

@@ -1,0 +1,24 @@
+"""wide_moe_triton: a latent-MoE layer for wide decode steps, as Triton kernels.
+
+    from wide_moe_triton import WideMoEConfig, LatentMoE, WideMoE
+    stock = LatentMoE(WideMoEConfig.tiny(), seed=0)
+    wide = WideMoE.from_module(stock)
+    y = wide(x)            # x [b, H] BF16 -> [b, H] BF16
+"""
+
+from .config import WideMoEConfig
+from .reference import LatentMoE
+
+
+def __getattr__(name):
+    # The Triton path imports triton; the stock reference and config do not need it.
+    import importlib
+
+    if name in ("WideMoE", "WideScratch", "SimulatedGroup"):
+        return getattr(importlib.import_module(".module", __name__), name)
+    if name in ("ops", "mx", "reference", "tuning"):
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'wide_moe_triton' has no attribute {name!r}")
+
+
+__all__ = ["WideMoEConfig", "LatentMoE", "WideMoE", "WideScratch", "SimulatedGroup", "ops"]

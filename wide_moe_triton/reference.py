@@ -1,0 +1,197 @@
+"""``LatentMoE``: the stock path, in plain PyTorch, read as the definition of the layer.
+
+Every rounding point the Triton path has is here too (DESIGN.md): BF16 linears with
+FP32 accumulation, FP32 router logits, the latent rounded once to BF16, MXFP8
+activations and hidden, MXFP4 experts, a one-rounding FP32 finalize, an FP32 RMSNorm.
+Only accumulation orders may differ between this module and ``WideMoE``.
+
+The functions below the module are the per-stage references the tests compare the
+kernels with; the module's ``forward`` is nothing but their composition.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import mx
+from .config import WideMoEConfig
+
+
+def mm_f32(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """``a @ b_t.T`` of BF16 operands with FP32 accumulation and FP32 output (the
+    products of BF16 values are exact in FP32, so only the summation order varies)."""
+    if a.is_cuda:
+        return torch.mm(a, b_t.t(), out_dtype=torch.float32)
+    return a.float() @ b_t.float().t()
+
+
+def situ(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None):
+    """SiTU in FP32: ``beta * tanh(g / beta) * sigmoid(g) * u'``, with
+    ``u' = linear_beta * tanh(u / linear_beta)`` when linear_beta is set, else ``u``."""
+    g, u = g.float(), u.float()
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * u
+
+
+def shared_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, beta: float,
+                  linear_beta: float | None) -> torch.Tensor:
+    """BF16 [b, H]: ``down(situ(gate(x), up(x)))`` with BF16 linears (FP32 accumulation,
+    BF16 out), SiTU in FP32 rounded once to BF16. ``gate_up`` [2S, H] holds the gate
+    rows then the up rows; with a TP shard of both, the result is that rank's partial."""
+    S = down.shape[1]
+    gu = torch.nn.functional.linear(x, gate_up)
+    h = situ(gu[:, :S], gu[:, S:], beta, linear_beta)
+    return torch.nn.functional.linear(h.to(torch.bfloat16), down)
+
+
+def router_scores(logits: torch.Tensor) -> torch.Tensor:
+    """FP32 sigmoid of FP32 logits, correctly rounded (computed in FP64, rounded once),
+    so that every implementation selects over the same FP32 numbers."""
+    return torch.sigmoid(logits.double()).float()
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-K experts of each row and their BF16 weights.
+
+    Selection ranks ``sigmoid(logits) + bias`` (FP32) in descending order, ties to the
+    lower expert id; a NaN ranks as -inf (so ids stay in [0, E)). Slot k of the output
+    is the k-th in that order. Weights are the unbiased sigmoid of the chosen experts,
+    divided by their FP32 sum taken in slot order when ``renormalize``, times ``scale``,
+    rounded once to BF16. A row with a NaN among its chosen scores gets NaN weights.
+    """
+    scores = router_scores(logits)
+    choice = scores + bias.float()
+    choice = torch.where(torch.isnan(choice), torch.full_like(choice, -torch.inf), choice)
+    order = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    chosen = torch.gather(scores, 1, order)
+    if renormalize:
+        total = chosen[:, 0].clone()
+        for k in range(1, top_k):
+            total = total + chosen[:, k]
+        chosen = chosen / total[:, None]
+    weights = (chosen * torch.tensor(scale, dtype=torch.float32)).to(torch.bfloat16)
+    return order.to(torch.int32), weights
+
+
+def expert_rows(q: torch.Tensor, q_scales: torch.Tensor, ids: torch.Tensor,
+                w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
+                w2_scales: torch.Tensor, beta: float, linear_beta: float | None,
+                hidden_out: dict | None = None) -> torch.Tensor:
+    """``rows[t*K + k] = W2_e . mxfp8(situ(W13_e . q[t]))`` for e = ids[t, k], BF16.
+
+    q/q_scales: the MXFP8 plan [b, L] / [b, L/32]. w13 [E, 2I, L/2] packed E2M1 (gate
+    rows then up rows), w13_scales [E, 2I, L/32]; w2 [E, L, I/2], w2_scales [E, L, I/32].
+    ``hidden_out``, if given, receives {pair: (codes, scales)} of the MXFP8 hidden."""
+    b, top_k = ids.shape
+    inter = w2.shape[2] * 2
+    latent = mx.dequantize_mxfp8(q, q_scales)
+    rows = torch.empty(b * top_k, q.shape[1], dtype=torch.bfloat16, device=q.device)
+    flat = ids.reshape(-1).long()
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        tokens = pairs // top_k
+        w13_e = mx.dequantize_mxfp4(w13[e], w13_scales[e])
+        gate_up = latent[tokens] @ w13_e.t()
+        h = situ(gate_up[:, :inter], gate_up[:, inter:], beta, linear_beta)
+        h_codes, h_scales = mx.quantize_mxfp8(h)
+        if hidden_out is not None:
+            for i, p in enumerate(pairs.tolist()):
+                hidden_out[p] = (h_codes[i], h_scales[i])
+        w2_e = mx.dequantize_mxfp4(w2[e], w2_scales[e])
+        rows[pairs] = (mx.dequantize_mxfp8(h_codes, h_scales) @ w2_e.t()).to(torch.bfloat16)
+    return rows
+
+
+def finalize(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] = bf16(sum_k fp32(w[t, k]) * fp32(rows[t*K + k]))``, k in order, as an
+    FMA chain with one rounding at the end (the FMA is emulated exactly in FP64: the
+    product of a BF16 pair is exact in FP64, and so is its FP32-rounded sum)."""
+    b, top_k = weights.shape
+    r = rows.reshape(b, top_k, -1).double()
+    w = weights.double()
+    acc = torch.zeros(b, rows.shape[1], dtype=torch.float32, device=rows.device)
+    for k in range(top_k):
+        acc = (w[:, k, None] * r[:, k] + acc.double()).float()
+    return acc.to(torch.bfloat16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``bf16(x * rsqrt(mean(x^2) + eps) * weight)`` in FP32, one rounding."""
+    xf = x.float()
+    inv = torch.rsqrt(xf.square().mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv * weight.float()).to(torch.bfloat16)
+
+
+class LatentMoE(nn.Module):
+    """The stock latent-MoE layer (the whole layer, one rank: ``cfg.tp`` only tells
+    ``WideMoE`` how to shard it).
+
+    Buffers (the checkpoint layout ``load_state_dict`` takes):
+    ``gate_weight`` [E, H] BF16 router, ``e_score_correction_bias`` [E] FP32,
+    ``latent_down`` [L, H] BF16, ``w13``/``w13_scales`` and ``w2``/``w2_scales`` the MXFP4
+    experts (see ``expert_rows``), ``norm_weight`` [L] BF16, ``latent_up`` [H, L] BF16,
+    ``shared_gate_up`` [2S, H] BF16 (gate rows then up rows), ``shared_down`` [H, S] BF16.
+    """
+
+    def __init__(self, cfg: WideMoEConfig, seed: int = 0, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        device = torch.device(device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        H, L, E, I, S = (cfg.hidden, cfg.latent, cfg.num_experts, cfg.expert_intermediate,
+                         cfg.shared_intermediate)
+
+        def normal(*shape, std=1.0, mean=0.0):
+            return torch.randn(*shape, generator=gen, device=device) * std + mean
+
+        bf16 = torch.bfloat16
+        # Standard deviations keep every activation near unit scale: no E4M3 overflow
+        # before the scale, no all-zero MX blocks, SiTU away from its saturation.
+        self.register_buffer("gate_weight", normal(E, H, std=H ** -0.5).to(bf16))
+        self.register_buffer("e_score_correction_bias", normal(E, std=0.05))
+        self.register_buffer("latent_down", normal(L, H, std=H ** -0.5).to(bf16))
+        w13, w13_s, w2, w2_s = [], [], [], []
+        chunk = max(1, (1 << 28) // (2 * I * L))  # bound the FP32 draw to 1 GiB
+        for start in range(0, E, chunk):
+            n = min(chunk, E - start)
+            p, s = mx.quantize_mxfp4(normal(n, 2 * I, L, std=L ** -0.5))
+            w13.append(p), w13_s.append(s)
+            p, s = mx.quantize_mxfp4(normal(n, L, I, std=I ** -0.5))
+            w2.append(p), w2_s.append(s)
+        self.register_buffer("w13", torch.cat(w13))
+        self.register_buffer("w13_scales", torch.cat(w13_s))
+        self.register_buffer("w2", torch.cat(w2))
+        self.register_buffer("w2_scales", torch.cat(w2_s))
+        self.register_buffer("norm_weight", normal(L, std=0.1, mean=1.0).to(bf16))
+        self.register_buffer("latent_up", normal(H, L, std=L ** -0.5).to(bf16))
+        self.register_buffer("shared_gate_up", normal(2 * S, H, std=H ** -0.5).to(bf16))
+        self.register_buffer("shared_down", normal(H, S, std=S ** -0.5).to(bf16))
+
+    def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
+        """BF16 [b, H]: the fused shared experts (see ``shared_expert``)."""
+        return shared_expert(x, self.shared_gate_up, self.shared_down, self.cfg.beta,
+                             self.cfg.linear_beta)
+
+    def routed_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """BF16 [b, L]: the routed experts' latent output before the norm."""
+        cfg = self.cfg
+        logits = mm_f32(x, self.gate_weight)
+        latent = mm_f32(x, self.latent_down).to(torch.bfloat16)
+        ids, weights = route(logits, self.e_score_correction_bias, cfg.top_k,
+                             cfg.renormalize, cfg.routed_scaling_factor)
+        q, q_scales = mx.quantize_mxfp8(latent)
+        rows = expert_rows(q, q_scales, ids, self.w13, self.w13_scales, self.w2,
+                           self.w2_scales, cfg.beta, cfg.linear_beta)
+        return finalize(rows, weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, H] BF16 -> [b, H] BF16."""
+        if x.dim() != 2 or x.shape[1] != self.cfg.hidden or x.dtype != torch.bfloat16:
+            raise ValueError(f"x must be BF16 [b, {self.cfg.hidden}], got "
+                             f"{x.dtype} {tuple(x.shape)}")
+        shared = self.shared_expert(x)
+        normed = rms_norm(self.routed_latent(x), self.norm_weight, self.cfg.rms_eps)
+        return (shared.float() + mm_f32(normed, self.latent_up)).to(torch.bfloat16)
