@@ -31,13 +31,23 @@ _overrides: dict = {}
 
 
 def gpu_name(device=None) -> str | None:
-    """The CUDA device's marketing name (nvidia-ml-py first, then torch), or None on CPU."""
+    """The CUDA device's marketing name (nvidia-ml-py first, then torch), or None on CPU
+    (and in Triton's interpreter)."""
     import torch
 
-    if not torch.cuda.is_available():
+    if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available():
         return None
-    index = torch.device(device).index if device is not None else torch.cuda.current_device()
-    index = torch.cuda.current_device() if index is None else index
+    if device is not None and torch.device(device).type != "cuda":
+        return None
+    index = torch.device(device).index if device is not None else None
+    return _device_name(torch.cuda.current_device() if index is None else index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    # Cached: launch wrappers ask on every call, and NVML costs microseconds a query.
+    import torch
+
     try:
         import pynvml
 

@@ -1,0 +1,492 @@
+"""The routed experts (kernels/experts.py) against ``reference.expert_rows``.
+
+Every launch goes through ``launch``, which poisons the outputs and checks that nothing
+outside the b*K rows was written; the checks then hold the hidden MXFP8 bits to the
+reference's (only FP32-accumulation rounding flips, adjacent and rare), the rows to a
+float64 recomputation from the kernel's own hidden bits (within one BF16 rounding) and
+to the reference rows, and the results to bitwise independence of the claim order, of
+the other tokens in the batch, of the launch config and of the weight layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from conftest import DEVICE, poison
+from wide_moe_triton import mx, reference
+from wide_moe_triton.config import WideMoEConfig
+from wide_moe_triton.kernels import experts as ex
+
+CFG = WideMoEConfig.tiny()
+L, E, K, WIDE_ROWS = CFG.latent, CFG.num_experts, CFG.top_k, CFG.wide_rows
+INTERS = (CFG.intermediate_per_rank, CFG.replace(tp=4).intermediate_per_rank)  # 128, 32
+BETA, LINEAR_BETA = CFG.beta, CFG.linear_beta
+BM = ex.DEFAULT_UP["BLOCK_M"]
+SPARE = 3  # poisoned rows after the b*K ones, which the kernels must leave alone
+# Launches are slow in the interpreter: the main property runs two thirds of the profile's
+# examples (plus its explicit ones), those of two launches an example a quarter.
+SOME = max(8, settings.default.max_examples * 2 // 3)
+FEW = max(3, settings.default.max_examples // 4)
+
+
+# ------------------------------------------------------------------------------ data
+
+@functools.lru_cache(maxsize=None)
+def stock_weights(inter: int):
+    """MXFP4 experts (w13, w13_scales, w2, w2_scales) on the CPU, as LatentMoE draws them."""
+    gen = torch.Generator().manual_seed(1234 + inter)
+    w13 = mx.quantize_mxfp4(torch.randn(E, 2 * inter, L, generator=gen) * L ** -0.5)
+    w2 = mx.quantize_mxfp4(torch.randn(E, L, inter, generator=gen) * inter ** -0.5)
+    return (*w13, *w2)
+
+
+@functools.lru_cache(maxsize=None)
+def prepared(inter: int, layout: str = "nk") -> ex.ExpertWeights:
+    return ex.prepare_weights(*(t.to(DEVICE) for t in stock_weights(inter)), layout=layout)
+
+
+def make_plan(b: int, seed: int, nonfinite_tokens=()):
+    """MXFP8 plan (CPU) of a random unit-scale BF16 latent [b, L]; the listed tokens get an
+    infinite element, so one of their MX blocks is NaN-coded."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, L, generator=gen).to(torch.bfloat16)
+    for t in nonfinite_tokens:
+        x[t, 5] = float("inf")
+    return mx.quantize_mxfp8(x)
+
+
+def make_ids(kind: str, b: int, seed: int) -> torch.Tensor:
+    """Expert ids int32 [b, K], K distinct a row: "random"; "hot" (one expert on every
+    token, in a random slot); "distinct" (all b*K pairs on distinct experts, b*K <= E)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "distinct":
+        return torch.randperm(E, generator=gen)[:b * K].reshape(b, K).int()
+    rows = [torch.randperm(E, generator=gen)[:K] for _ in range(b)]
+    if kind == "hot":
+        hot = int(torch.randint(E, (1,), generator=gen))
+        for i in range(b):
+            others = [e for e in torch.randperm(E, generator=gen).tolist() if e != hot][:K - 1]
+            slot = int(torch.randint(K, (1,), generator=gen))
+            rows[i] = torch.tensor(others[:slot] + [hot] + others[slot:])
+    return torch.stack(rows).int()
+
+
+class Run:
+    """A launch's outputs, on the CPU: rows [b*K, L], h_codes [b*K, I], h_scales."""
+
+    def __init__(self, rows, h_codes, h_scales):
+        self.rows, self.h_codes, self.h_scales = rows, h_codes, h_scales
+
+    def same_bits(self, other) -> bool:
+        return (torch.equal(self.rows.view(torch.int16), other.rows.view(torch.int16))
+                and torch.equal(self.h_codes, other.h_codes)
+                and torch.equal(self.h_scales, other.h_scales))
+
+
+def launch(q, q_scales, ids, inter, *, layout="nk", generation=0, order_seed=None,
+           stale_ids=None, config_up=None, config_down=None, block_k=(None, None)) -> Run:
+    """Run the experts over lists built from ``ids`` (order shuffled by ``order_seed``),
+    with the other parity holding ``stale_ids``' lists (which must be ignored), into
+    poisoned buffers with SPARE extra rows; asserts the extra rows stay poisoned."""
+    b = ids.shape[0]
+    P = b * K
+    order = None if order_seed is None else torch.Generator().manual_seed(order_seed)
+    counts, pairs, gen = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS,
+                                          generation=generation, generator=order)
+    if stale_ids is not None:
+        stale = ex.routing_lists(stale_ids.to(DEVICE), E, WIDE_ROWS, generation=generation + 1)
+        other = 1 - (generation & 1)
+        counts[other], pairs[other] = stale[0][other], stale[1][other]
+    big = poison(torch.empty(P + SPARE, L, dtype=torch.bfloat16, device=DEVICE))
+    work = ex.Workspace(*(poison(t) for t in ex.make_workspace(P + SPARE, inter, DEVICE)))
+    rows = ex.experts(q.to(DEVICE), q_scales.to(DEVICE), prepared(inter, layout), counts,
+                      pairs, gen, K, BETA, LINEAR_BETA, rows=big[:P], workspace=work,
+                      config_up=config_up, config_down=config_down,
+                      block_k_up=block_k[0], block_k_down=block_k[1])
+    assert rows.data_ptr() == big.data_ptr()
+    assert torch.isnan(big[P:].float()).all(), "a row past b*K was written"
+    assert (work.h_codes[P:] == 0xA5).all() and (work.h_scales[P:] == 0xA5).all(), \
+        "a workspace row past b*K was written"
+    return Run(rows.cpu(), work.h_codes[:P].cpu(), work.h_scales[:P].cpu())
+
+
+# ------------------------------------------------------------------------- references
+
+def reference_run(q, q_scales, ids, inter) -> Run:
+    hidden = {}
+    rows = reference.expert_rows(q, q_scales, ids, *stock_weights(inter), BETA, LINEAR_BETA,
+                                 hidden_out=hidden)
+    P = ids.numel()
+    return Run(rows, torch.stack([hidden[p][0] for p in range(P)]),
+               torch.stack([hidden[p][1] for p in range(P)]))
+
+
+def situ64(g, u):
+    u = LINEAR_BETA * torch.tanh(u / LINEAR_BETA)
+    return BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * u
+
+
+def hidden64(q, q_scales, ids, inter):
+    """(the hidden before quantization [b*K, I] in float64 from exact GEMM products, and a
+    bound on how far any FP32 evaluation of it may land: an FP32 sum of L products is
+    within 2 L 2**-24 of the sum of their magnitudes in any order, even with truncating
+    adds; SiTU's change over that (tiny) interval, taken at its corners, plus 16 ulp for
+    SiTU's own FP32 evaluation)."""
+    w13, w13_s = stock_weights(inter)[:2]
+    latent = mx.dequantize_mxfp8(q, q_scales).double()
+    flat = ids.reshape(-1).long()
+    h = torch.empty(flat.numel(), inter, dtype=torch.float64)
+    tol = torch.empty_like(h)
+    gamma = 2 * L * 2.0 ** -24
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        w = mx.dequantize_mxfp4(w13[e], w13_s[e]).double()
+        a = latent[pairs // K]
+        gate_up, mass = a @ w.t(), a.abs() @ w.abs().t()
+        g, u = gate_up[:, :inter], gate_up[:, inter:]
+        dg, du = gamma * mass[:, :inter], gamma * mass[:, inter:]
+        h[pairs] = situ64(g, u)
+        moves = [(situ64(g + sg * dg, u + su * du) - h[pairs]).abs()
+                 for sg in (-1, 0, 1) for su in (-1, 0, 1)]
+        tol[pairs] = torch.stack(moves).amax(0) + 16 * 2.0 ** -24 * h[pairs].abs()
+    return h, tol
+
+
+def through_w2(h: torch.Tensor, ids, inter, absolute=False) -> torch.Tensor:
+    """float64 rows [b*K, L] of hidden values ``h`` [b*K, I] times each pair's W2 (of
+    |h| and |W2| if ``absolute``)."""
+    w2, w2_s = stock_weights(inter)[2:]
+    flat = ids.reshape(-1).long()
+    out = torch.empty(flat.numel(), L, dtype=torch.float64)
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        w = mx.dequantize_mxfp4(w2[e], w2_s[e]).double()
+        out[pairs] = h[pairs].abs() @ w.abs().t() if absolute else h[pairs] @ w.t()
+    return out
+
+
+def hidden_values(run: Run) -> torch.Tensor:
+    return mx.dequantize_mxfp8(run.h_codes, run.h_scales).double()
+
+
+def rows_tolerance(run: Run, ids, inter):
+    """(float64 product of the run's own hidden bits and W2, how far its FP32-accumulated,
+    once BF16-rounded value may be: half a BF16 ulp plus 2 I 2**-24 of the magnitudes)."""
+    h = hidden_values(run)
+    exact = through_w2(h, ids, inter)
+    mass = through_w2(h, ids, inter, absolute=True)
+    return exact, 2.0 ** -8 * exact.abs() + 2 * inter * 2.0 ** -24 * mass
+
+
+def e4m3_ordinal(codes: torch.Tensor) -> torch.Tensor:
+    """Position of each E4M3 code on the number line (codes of one sign are monotone;
+    +0 and -0 share 0), so adjacent values have ordinals one apart."""
+    mag = (codes & 0x7F).to(torch.int32)
+    return torch.where((codes & 0x80) != 0, -mag, mag)
+
+
+def assert_hidden_matches(run: Run, ref: Run, h: torch.Tensor, tol: torch.Tensor):
+    """The kernel's MXFP8 hidden equals the reference's, except where FP32 accumulation
+    order moved a value across a rounding boundary: such flips are rare (< 1%), between
+    adjacent codes, and only where the exact value ``h`` lies within its FP32 error bound
+    ``tol`` of the boundary between the two codes (or, for a scale, of a power of two)."""
+    P, inter = run.h_codes.shape
+    scale_diff = run.h_scales != ref.h_scales
+    assert scale_diff.float().mean() < 0.01, "too many hidden scale bytes differ"
+    if scale_diff.any():
+        assert ((run.h_scales.int() - ref.h_scales.int()).abs()[scale_diff] == 1).all()
+        amax = h.reshape(P, -1, 32).abs().amax(-1)[scale_diff]
+        slack = tol.reshape(P, -1, 32).amax(-1)[scale_diff]
+        power = torch.exp2(torch.log2(amax).round())
+        assert ((amax - power).abs() <= slack).all(), \
+            "a hidden scale differs though the block's amax is not at a power of two"
+    same_scale = (~scale_diff).repeat_interleave(32, dim=1)
+    vk, vr = hidden_values(run), hidden_values(ref)
+    flip = (vk != vr) & same_scale
+    assert flip.float().mean() < 0.01, f"{int(flip.sum())} hidden codes differ"
+    steps = (e4m3_ordinal(run.h_codes) - e4m3_ordinal(ref.h_codes)).abs()
+    assert (steps[flip] == 1).all(), "a hidden code differs by more than one step"
+    boundary = (vk + vr) / 2
+    assert ((h - boundary).abs()[flip] <= tol[flip]).all(), \
+        "a hidden code differs though the exact value is not within FP32 error of a boundary"
+
+
+def assert_rows_from_hidden(run: Run, ids, inter):
+    """Rows are the FP32-accumulated product of the kernel's own hidden bits and W2, one
+    BF16 rounding: within ``rows_tolerance`` of the float64 product, and equal to its
+    BF16 rounding almost everywhere."""
+    exact, tol = rows_tolerance(run, ids, inter)
+    got = run.rows.double()
+    assert not torch.isnan(got).any(), "a listed row was not written"
+    assert ((got - exact).abs() <= tol).all(), \
+        f"rows off the float64 product by {float(((got - exact).abs() - tol).max()):.3g}"
+    same = (run.rows == exact.to(torch.bfloat16)).float().mean()
+    assert same >= 0.99, f"only {float(same):.4f} of the rows round like the float64 product"
+
+
+def assert_rows_near_reference(run: Run, ref: Run, ids, inter):
+    """Rows differ from the reference's by no more than their hidden bits do (through
+    |W2|) plus both FP32/BF16 rounding bounds, and by under 1e-2 relative over the batch.
+
+    (Not per row: one flip of a row's largest hidden element moves that row by up to a
+    sixteenth of it, a legitimate few percent.)"""
+    tol_k, tol_r = rows_tolerance(run, ids, inter)[1], rows_tolerance(ref, ids, inter)[1]
+    moved = through_w2(hidden_values(run) - hidden_values(ref), ids, inter, absolute=True)
+    err = (run.rows.double() - ref.rows.double()).abs()
+    assert (err <= moved + tol_k + tol_r).all()
+    rel = (run.rows.double() - ref.rows.double()).norm() / ref.rows.double().norm()
+    assert rel < 1e-2, f"relative error {float(rel):.3g} over the batch"
+
+
+# ------------------------------------------------------------------------- strategies
+
+seeds = st.integers(0, 2 ** 31 - 1)
+cases = st.one_of(
+    st.tuples(st.just("random"), st.integers(1, 24), seeds),
+    # One expert on every token: one tile, exactly a full tile, one past it, several.
+    st.tuples(st.just("hot"), st.sampled_from([BM, BM + 1]) | st.integers(1, 2 * BM + 2),
+              seeds),
+    st.tuples(st.just("distinct"), st.integers(1, E // K), seeds),
+)
+a_formats = st.tuples(st.integers(0, 1), st.integers(0, 1))
+
+
+# The invariance tests need no particular tiles: wide ones run fastest in the interpreter.
+FAST_UP = dict(ex.DEFAULT_UP, BLOCK_N=128)
+FAST_DOWN = dict(ex.DEFAULT_DOWN, BLOCK_N=256)
+
+
+def configs(a_bf16, wide=False):
+    """(config_up, config_down): the defaults (or FAST_*) with these activation formats."""
+    up, down = (FAST_UP, FAST_DOWN) if wide else (ex.DEFAULT_UP, ex.DEFAULT_DOWN)
+    return dict(up, A_BF16=a_bf16[0]), dict(down, A_BF16=a_bf16[1])
+
+
+# ------------------------------------------------------------------------------ tests
+
+@settings(max_examples=SOME)
+@given(case=cases, inter=st.sampled_from(INTERS), a_bf16=a_formats,
+       layout=st.sampled_from(ex.LAYOUTS), generation=st.integers(0, 3),
+       block_k=st.tuples(st.sampled_from([64, 128, 256]), st.sampled_from([32, 64, 128])),
+       wide=st.booleans())
+@example(case=("random", 1, 0), inter=128, a_bf16=(0, 0), layout="nk", generation=0,
+         block_k=(128, 128), wide=False)
+@example(case=("hot", BM, 1), inter=128, a_bf16=(1, 1), layout="nk", generation=1,
+         block_k=(256, 64), wide=False)
+@example(case=("hot", BM + 1, 2), inter=32, a_bf16=(0, 1), layout="kn", generation=2,
+         block_k=(64, 32), wide=False)
+@example(case=("hot", 2 * BM + 1, 3), inter=128, a_bf16=(1, 0), layout="nk", generation=3,
+         block_k=(128, 32), wide=False)
+@example(case=("distinct", E // K, 4), inter=32, a_bf16=(0, 0), layout="kn", generation=1,
+         block_k=(128, 32), wide=False)
+def test_rows_match_reference(case, inter, a_bf16, layout, generation, block_k, wide):
+    """Hidden bits and rows against the reference, for skewed routings, one or several
+    reduction steps, the default or wide tiles, in this call's parity (the other one holds
+    a different routing that must be ignored)."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    q, qs = make_plan(b, seed)
+    up, down = configs(a_bf16, wide)
+    run = launch(q, qs, ids, inter, layout=layout, generation=generation, order_seed=seed,
+                 stale_ids=make_ids("random", b, seed + 1), config_up=up, config_down=down,
+                 block_k=(block_k[0], min(block_k[1], inter)))
+    ref = reference_run(q, qs, ids, inter)
+    assert_hidden_matches(run, ref, *hidden64(q, qs, ids, inter))
+    assert_rows_from_hidden(run, ids, inter)
+    assert_rows_near_reference(run, ref, ids, inter)
+
+
+@settings(max_examples=FEW)
+@given(case=cases, inter=st.sampled_from(INTERS), order_seed=seeds)
+@example(case=("hot", 2 * BM + 2, 5), inter=128, order_seed=1)
+def test_claim_order_does_not_change_bits(case, inter, order_seed):
+    """The same lists in ascending and in shuffled claim order: identical bits."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    q, qs = make_plan(b, seed)
+    ascending, shuffled = (launch(q, qs, ids, inter, order_seed=o, config_up=FAST_UP,
+                                  config_down=FAST_DOWN) for o in (None, order_seed))
+    assert ascending.same_bits(shuffled)
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # the NaN-coded block
+@settings(max_examples=FEW)
+@given(case=cases, extra=st.integers(1, BM + 1), inter=st.sampled_from(INTERS),
+       nonfinite=st.booleans())
+@example(case=("hot", 3, 6), extra=BM, inter=128, nonfinite=True)
+def test_other_tokens_do_not_change_bits(case, extra, inter, nonfinite):
+    """A batch's rows are bitwise those it gets alongside more tokens (on the same experts
+    too, some with a NaN-coded plan block, which poison only their own rows)."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    q, qs = make_plan(b, seed)
+    more_ids = torch.cat([ids, make_ids("random", extra, seed + 7)])
+    bad = [b + extra - 1] if nonfinite else []
+    more_q, more_qs = make_plan(b + extra, seed, nonfinite_tokens=bad)
+    more_q[:b], more_qs[:b] = q, qs
+    alone = launch(q, qs, ids, inter, order_seed=seed, config_up=FAST_UP,
+                   config_down=FAST_DOWN)
+    shared = launch(more_q, more_qs, more_ids, inter, order_seed=seed + 1, config_up=FAST_UP,
+                    config_down=FAST_DOWN)
+    P = b * K
+    assert alone.same_bits(Run(shared.rows[:P], shared.h_codes[:P], shared.h_scales[:P]))
+    for t in bad:
+        assert torch.isnan(shared.rows[t * K:(t + 1) * K].float()).all()
+        assert (shared.h_scales[t * K:(t + 1) * K] == 0xFF).all()
+    clean = [t for t in range(b + extra) if t not in bad]
+    assert not torch.isnan(shared.rows.reshape(b + extra, K, L)[clean].float()).any()
+
+
+UP_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s)
+              for m, n, a, w, s in ((16, 32, 1, 4, 3), (32, 128, 0, 8, 2), (64, 64, 1, 4, 4))]
+DOWN_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s)
+                for m, n, a, w, s in ((16, 64, 1, 4, 2), (32, 256, 0, 8, 3), (64, 128, 1, 4, 4))]
+
+
+@settings(max_examples=FEW)
+@given(case=cases, inter=st.sampled_from(INTERS), up=st.sampled_from(UP_CONFIGS),
+       down=st.sampled_from(DOWN_CONFIGS), layout=st.sampled_from(ex.LAYOUTS))
+@example(case=("hot", BM + 1, 8), inter=32, up=UP_CONFIGS[2], down=DOWN_CONFIGS[0],
+         layout="kn")
+def test_config_and_layout_do_not_change_bits(case, inter, up, down, layout):
+    """Everything a batch-width bucket may change (BLOCK_M, BLOCK_N, A_BF16, warps,
+    stages) and the weight layout leave the bits as the default config's."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    q, qs = make_plan(b, seed)
+    base = launch(q, qs, ids, inter)
+    other = launch(q, qs, ids, inter, layout=layout, config_up=up, config_down=down)
+    assert base.same_bits(other), f"bits changed with {up}, {down}, layout {layout}"
+
+
+def test_a_bf16_variants_are_bitwise_identical():
+    """Both activation formats feed the same exact products to the same FP32 sums."""
+    ids = make_ids("hot", BM + 3, 9)
+    q, qs = make_plan(BM + 3, 9)
+    runs = [launch(q, qs, ids, 128, config_up=up, config_down=down)
+            for up, down in map(configs, ((0, 0), (1, 1)))]
+    assert runs[0].same_bits(runs[1])
+
+
+def test_empty_batch_launches_nothing():
+    """b = 0: an empty BF16 [0, L], no launch (a zero-size grid dimension is not one)."""
+    q, qs = make_plan(0, 0)
+    ids = torch.empty(0, K, dtype=torch.int32)
+    counts, pairs, gen = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
+    rows = ex.experts(q.to(DEVICE), qs.to(DEVICE), prepared(32), counts, pairs, gen, K,
+                      BETA, LINEAR_BETA)
+    assert rows.shape == (0, L) and rows.dtype == torch.bfloat16
+
+
+@given(case=cases, generation=st.integers(0, 5), order_seed=seeds)
+def test_routing_lists_partition_the_pairs(case, generation, order_seed):
+    """The helper's lists hold every pair once, under its expert, in parity gen & 1."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    counts, pairs, gen = ex.routing_lists(ids, E, WIDE_ROWS, generation=generation,
+                                          generator=torch.Generator().manual_seed(order_seed))
+    p = generation & 1
+    assert gen.tolist() == [generation]
+    assert (counts[1 - p] == 0).all() and (pairs[1 - p] == -1).all()
+    seen = []
+    for e in range(E):
+        members = pairs[p, e, :counts[p, e]]
+        assert (pairs[p, e, counts[p, e]:] == -1).all()
+        assert (ids.reshape(-1)[members.long()] == e).all()
+        seen += members.tolist()
+    assert sorted(seen) == list(range(b * K))
+
+
+def test_reduction_block_is_fixed_per_shape():
+    """The reduction step: the largest power of two <= preferred dividing the dim."""
+    assert ex.reduction_block(3584, 128) == 128 and ex.reduction_block(384, 128) == 128
+    assert ex.reduction_block(256, 256) == 256 and ex.reduction_block(96, 128) == 32
+    assert ex.reduction_block(32, 128) == 32
+    with pytest.raises(ValueError):
+        ex.reduction_block(48, 128)
+
+
+def test_tuning_spaces_are_valid_and_hold_the_defaults():
+    """Every candidate is a complete, valid config without BLOCK_K; defaults are in."""
+    for name, space, default in (("up", ex.SPACE_UP, ex.DEFAULT_UP),
+                                 ("down", ex.SPACE_DOWN, ex.DEFAULT_DOWN)):
+        assert default in space, name
+        for config in space:
+            assert set(config) == set(ex.CONFIG_KEYS)  # never BLOCK_K: see the module doc
+            ex._check_config(name, config)
+    assert ex.shape_key(3584, 384, 896) == "L3584_I384_E896"
+
+
+def test_prepare_weights_layouts():
+    """"kn" is the stock bytes transposed, read through swapped strides; bad input named."""
+    w13, w13_s, w2, w2_s = stock_weights(32)
+    kn = ex.prepare_weights(w13, w13_s, w2, w2_s, layout="kn")
+    assert (kn.num_experts, kn.latent, kn.inter) == (E, L, 32)
+    assert torch.equal(kn.w13, w13.transpose(1, 2)) and torch.equal(kn.w2_scales,
+                                                                    w2_s.transpose(1, 2))
+    assert kn.strides("w13") == (w13.stride(0), 1, 2 * 32)
+    with pytest.raises(ValueError, match="^layout "):
+        ex.prepare_weights(w13, w13_s, w2, w2_s, layout="swizzled")
+    with pytest.raises(ValueError, match="^w2 "):
+        ex.prepare_weights(w13, w13_s, w2[:, :, :8], w2_s)
+    with pytest.raises(TypeError, match="^w13_scales "):
+        ex.prepare_weights(w13, w13_s.int(), w2, w2_s)
+
+
+def _valid_args():
+    b, inter = 3, 32
+    ids = make_ids("random", b, 0)
+    q, qs = make_plan(b, 0)
+    counts, pairs, gen = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
+    args = dict(q=q.to(DEVICE), q_scales=qs.to(DEVICE), weights=prepared(inter),
+                counts=counts, pairs=pairs, generation=gen, top_k=K, beta=BETA,
+                linear_beta=LINEAR_BETA)
+    return args, b * K, inter
+
+
+_BAD = []
+for _name, _make, _exc in [
+    ("q", lambda a, P, I: a["q"].to(torch.int8), TypeError),
+    ("q", lambda a, P, I: torch.zeros(3, L + 32, dtype=torch.uint8, device=DEVICE), ValueError),
+    ("q", lambda a, P, I: a["q"].to("meta"), ValueError),
+    ("q_scales", lambda a, P, I: a["q_scales"][:, :4].contiguous(), ValueError),
+    ("q_scales", lambda a, P, I: a["q_scales"].t().contiguous().t(), ValueError),
+    ("weights", lambda a, P, I: stock_weights(32), TypeError),
+    ("counts", lambda a, P, I: a["counts"].long(), TypeError),
+    ("counts", lambda a, P, I: a["counts"][:1].contiguous(), ValueError),
+    ("pairs", lambda a, P, I: a["pairs"][:, :E - 1].contiguous(), ValueError),
+    ("generation", lambda a, P, I: torch.zeros(2, dtype=torch.int32, device=DEVICE),
+     ValueError),
+    ("generation", lambda a, P, I: torch.zeros(1, dtype=torch.int64, device=DEVICE),
+     TypeError),
+    ("top_k", lambda a, P, I: 0, ValueError),
+    ("rows", lambda a, P, I: torch.empty(P, L, device=DEVICE), TypeError),
+    ("rows", lambda a, P, I: torch.empty(P - 1, L, dtype=torch.bfloat16, device=DEVICE),
+     ValueError),
+    ("workspace.h_codes", lambda a, P, I: ex.make_workspace(P - 1, I, DEVICE), ValueError),
+    ("workspace.h_scales", lambda a, P, I: ex.Workspace(
+        torch.empty(P, I, dtype=torch.uint8, device=DEVICE),
+        torch.empty(P, I, dtype=torch.uint8, device=DEVICE)), ValueError),
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, BLOCK_K=64), ValueError),
+    ("config_up", lambda a, P, I: {"BLOCK_M": 16}, ValueError),
+    ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, BLOCK_N=48), ValueError),
+    ("block_k_up", lambda a, P, I: 96, ValueError),
+    ("block_k_down", lambda a, P, I: 64, ValueError),  # does not divide I = 32
+]:
+    _BAD.append(pytest.param(_name, _make, _exc, id=f"{_name}-{len(_BAD)}"))
+
+
+@pytest.mark.parametrize("name, make, exc", _BAD)
+def test_bad_argument_is_named(name, make, exc):
+    """A wrong dtype, shape, device or value raises an error that starts with its name."""
+    args, P, inter = _valid_args()
+    arg = name.split(".")[0]
+    args[arg] = make(args, P, inter)
+    with pytest.raises(exc, match="^" + re.escape(name) + r"\b"):
+        ex.experts(**args)

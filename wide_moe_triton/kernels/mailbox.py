@@ -1,0 +1,296 @@
+"""The Lamport mailbox: publish (every rank writes its shards into every rank's buffer)
+and the poll/re-arm helpers that the route and plan kernels read it with.
+
+Layout (DESIGN.md): each rank owns one buffer of BF16 columns, ``[2 parities, wide_rows,
+L + 2E]`` (stored as int16 bits). Row t of parity p is ``[latent BF16, columns 0..L-1 |
+logits as FP32 words, columns L..L+2E-1]``; rank r's latent shard starts at column
+``(L/T)*r`` and its logits at column ``L + 2*(E/T)*r`` (FP32 word ``L/2 + (E/T)*r`` of the
+int32 view of the row). A word is empty when it holds negative zero (0x8000 per BF16,
+0x80000000 per FP32 word); publishers write +0 for -0, so a published word is never
+empty. Readers poll until their words are all non-empty, then write the sentinel back
+(re-arm), so the buffer is all-sentinel again once every word of a call has been read.
+The parity of a call is ``generation[0] & 1``, read on the device by every kernel.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_tensor
+from ..tuning import config_for
+from .bits import f32_to_bf16_bits
+
+KERNEL = "publish"
+DEFAULT = {"BLOCK_T": 8, "BLOCK_C": 256, "num_warps": 4}
+SPACE = [{"BLOCK_T": t, "BLOCK_C": c, "num_warps": w}
+         for t in (1, 4, 8, 16) for c in (128, 256, 512, 1024) for w in (2, 4, 8)
+         if t * c <= 8192]
+
+SENTINEL_BF16 = -0x8000        # 0x8000 as int16: BF16 negative zero
+SENTINEL_WORD = -0x80000000    # 0x80000000 as int32: FP32 negative zero
+BF16_NAN = 0x7FC0              # the quiet NaN every kernel writes for a NaN
+# The same, for the kernels.
+EMPTY_HALF: tl.constexpr = tl.constexpr(SENTINEL_BF16)
+EMPTY_WORD: tl.constexpr = tl.constexpr(SENTINEL_WORD)
+# A poll round is one volatile read of the block (~1 µs from L2 on a busy GPU), so this
+# gives up after seconds, long past any healthy peer, never hanging the GPU for good.
+DEFAULT_SPIN_LIMIT = 1 << 22
+MAX_WORLD = 32                 # ranks are bits of the int32 error record
+
+
+def shape_key(experts_per_rank: int, latent_per_rank: int, world: int) -> str:
+    return f"E{experts_per_rank}_L{latent_per_rank}_T{world}"
+
+
+class MailboxDims(NamedTuple):
+    """The sizes that fix a mailbox buffer's shape ``[2, wide_rows, latent + 2*num_experts]``."""
+
+    wide_rows: int
+    latent: int
+    num_experts: int
+
+    @property
+    def columns(self) -> int:
+        return self.latent + 2 * self.num_experts
+
+
+def mailbox_dims(dims) -> MailboxDims:
+    """``MailboxDims`` of a ``WideMoEConfig``, a ``MailboxDims`` or a 3-tuple
+    (wide_rows, latent, num_experts)."""
+    if hasattr(dims, "wide_rows") and hasattr(dims, "latent") and hasattr(dims, "num_experts"):
+        out = MailboxDims(dims.wide_rows, dims.latent, dims.num_experts)
+    else:
+        try:
+            out = MailboxDims(*dims)
+        except TypeError:
+            raise TypeError("dims must be a WideMoEConfig, a MailboxDims or a tuple "
+                            f"(wide_rows, latent, num_experts), got {dims!r}") from None
+    for name, value in out._asdict().items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"dims.{name} must be a positive int, got {value!r}")
+    if out.latent % 2:
+        raise ValueError(f"dims.latent ({out.latent}) must be even: the logits words "
+                         "must sit on 4-byte boundaries")
+    return out
+
+
+def empty_mailbox(dims, device) -> torch.Tensor:
+    """A fresh mailbox buffer: int16 ``[2, wide_rows, latent + 2*num_experts]``, all empty
+    (latent columns 0x8000, logits words 0x80000000: low half 0x0000, high half 0x8000)."""
+    d = mailbox_dims(dims)
+    buffer = torch.empty((2, d.wide_rows, d.columns), dtype=torch.int16, device=device)
+    return arm_mailbox(buffer, d.latent)
+
+
+def arm_mailbox(buffer: torch.Tensor, latent: int) -> torch.Tensor:
+    """Fill an existing buffer (e.g. one from symmetric memory) with the empty sentinels,
+    in place, its first ``latent`` columns being the BF16 latent; returns it."""
+    check_mailbox("buffer", buffer)
+    if not isinstance(latent, int) or isinstance(latent, bool) or latent % 2 or not (
+            0 < latent < buffer.shape[2]):
+        raise ValueError(f"latent must be a positive even int below the buffer's "
+                         f"{buffer.shape[2]} columns, got {latent!r}")
+    halves = buffer.view(torch.int16)
+    halves[:, :, :latent].fill_(SENTINEL_BF16)
+    halves[:, :, latent:].view(torch.int32).fill_(SENTINEL_WORD)
+    return buffer
+
+
+def check_mailbox(name: str, buffer, dims: MailboxDims | None = None) -> None:
+    """Raise unless ``buffer`` is a contiguous int16 or BF16 ``[2, rows, columns]`` tensor
+    (of ``dims``' shape when given)."""
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(buffer).__name__}")
+    if buffer.dtype not in (torch.int16, torch.bfloat16):
+        raise TypeError(f"{name} must be torch.int16 or torch.bfloat16, got {buffer.dtype}")
+    shape = (2, None, None) if dims is None else (2, dims.wide_rows, dims.columns)
+    check_tensor(name, buffer, buffer.dtype, shape)
+    if buffer.shape[2] % 2:
+        raise ValueError(f"{name} must have an even number of columns, got {buffer.shape[2]}")
+
+
+def mailbox_table(buffers) -> torch.Tensor:
+    """int64 ``[T]`` of the buffers' data pointers (rank order), on their device: what the
+    kernels cast back to pointers to reach every rank's buffer."""
+    buffers = list(buffers)
+    if not buffers:
+        raise ValueError("buffers must hold at least one mailbox buffer")
+    for i, b in enumerate(buffers):
+        check_mailbox(f"buffers[{i}]", b)
+        if b.shape != buffers[0].shape or b.device != buffers[0].device:
+            raise ValueError(f"buffers[{i}] is {list(b.shape)} on {b.device}, but buffers[0] "
+                             f"is {list(buffers[0].shape)} on {buffers[0].device}")
+    return torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64,
+                        device=buffers[0].device)
+
+
+def new_error_record(device) -> torch.Tensor:
+    """A cleared error record: int32 [2] = (bitmask of missing ranks, parity + 1)."""
+    return torch.zeros(2, dtype=torch.int32, device=device)
+
+
+def check_mailbox_error(error: torch.Tensor, context: str = "") -> None:
+    """Raise RuntimeError naming the mailbox parity and the ranks a poll timed out on, if
+    the record ``error`` (int32 [2]) is set; the record is cleared first. Reads the
+    record on the host (a device sync)."""
+    check_tensor("error", error, torch.int32, (2,))
+    mask, parity_plus_one = (int(v) for v in error.tolist())
+    if mask == 0 and parity_plus_one == 0:
+        return
+    error.zero_()
+    ranks = [r for r in range(MAX_WORLD) if (mask >> r) & 1]
+    where = f" in {context}" if context else ""
+    raise RuntimeError(
+        f"wide_moe_triton: mailbox poll timed out{where}: mailbox parity {parity_plus_one - 1} "
+        f"still empty in the columns of rank(s) {ranks} (they never published this call); "
+        "the results of this call are invalid")
+
+
+# ----------------------------------------------------------------------------- jit helpers
+
+@triton.jit
+def publishable_bf16(x):
+    """``f32_to_bf16_bits`` with a -0 result written as +0, so it never equals the sentinel."""
+    half = f32_to_bf16_bits(x)
+    return tl.where(half == EMPTY_HALF, 0, half).to(tl.int16)
+
+
+@triton.jit
+def publishable_word(bits):
+    """FP32 bits (int32) with -0 written as +0, so a word never equals the sentinel."""
+    return tl.where(bits == EMPTY_WORD, 0, bits)
+
+
+@triton.jit
+def poll(ptrs, mask, spin_limit, SENTINEL: tl.constexpr):
+    """(values, still_empty) of the words at ``ptrs`` (where ``mask``): volatile reads,
+    repeated for the words still equal to ``SENTINEL`` until none is or ``spin_limit``
+    rounds (at least one) are done. Masked-off lanes read 0 and are never empty."""
+    values = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    empty = mask & (values == SENTINEL)
+    rounds = 1
+    while (tl.max(empty.to(tl.int32)) != 0) & (rounds < spin_limit):
+        again = tl.load(ptrs, mask=empty, other=SENTINEL, volatile=True)
+        values = tl.where(empty, again, values)
+        empty = empty & (values == SENTINEL)
+        rounds += 1
+    return values, empty
+
+
+@triton.jit
+def record_missing(error_ptr, empty, owner, parity):
+    """OR ``1 << owner`` of every still-empty word into error[0] and set error[1] to
+    parity + 1; nothing when no word is empty."""
+    if tl.max(empty.to(tl.int32)) != 0:
+        tl.atomic_or(error_ptr + tl.zeros_like(owner), 1 << owner, mask=empty, sem="relaxed")
+        tl.atomic_xchg(error_ptr + 1, parity + 1, sem="relaxed")
+
+
+@triton.jit
+def rearm(ptrs, mask, SENTINEL: tl.constexpr):
+    """Write ``SENTINEL`` back into the words at ``ptrs`` (where ``mask``)."""
+    # Every thread of the program has read its words before any is overwritten: with a
+    # replicated layout another thread may hold a copy of the same word.
+    tl.debug_barrier()
+    tl.store(ptrs, tl.full(ptrs.shape, SENTINEL, ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def take(ptrs, mask, owner, spin_limit, error_ptr, parity, SENTINEL: tl.constexpr):
+    """The words at ``ptrs`` (where ``mask``) once published, the mailbox re-armed behind
+    them. ``owner`` (int32, same shape) is the rank whose columns each word is; on a
+    timeout the still-empty words are returned as read (the sentinel) and their owners
+    recorded in ``error_ptr`` (see ``record_missing``)."""
+    values, empty = poll(ptrs, mask, spin_limit, SENTINEL)
+    record_missing(error_ptr, empty, owner, parity)
+    rearm(ptrs, mask, SENTINEL)
+    return values
+
+
+@triton.jit
+def _publish_kernel(front_ptr, front_stride, table_ptr, gen_ptr, rank, world, rows,
+                    experts_per_rank, latent_per_rank, latent, row_stride, parity_stride,
+                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_front = (t[:, None] < rows) & (c[None, :] < experts_per_rank + latent_per_rank)
+    x = tl.load(front_ptr + t[:, None].to(tl.int64) * front_stride + c[None, :],
+                mask=in_front, other=0.0)
+    is_logit = c[None, :] < experts_per_rank
+    word = publishable_word(x.to(tl.int32, bitcast=True))
+    half = publishable_bf16(x)
+    parity = tl.load(gen_ptr) & 1
+    # Offsets in BF16 columns of the row; the row starts are even (columns are), so a
+    # halved offset is the same place in the int32 view.
+    row = parity.to(tl.int64) * parity_stride + t[:, None].to(tl.int64) * row_stride
+    word_at = row // 2 + (latent // 2 + experts_per_rank * rank + c[None, :])
+    half_at = row + (latent_per_rank * rank + c[None, :] - experts_per_rank)
+    # One peer after another: multicast is not assumed.
+    for d in range(world):
+        base = tl.load(table_ptr + d)
+        tl.store(base.to(tl.pointer_type(tl.int32)) + word_at, word, mask=in_front & is_logit)
+        tl.store(base.to(tl.pointer_type(tl.int16)) + half_at, half,
+                 mask=in_front & ~is_logit)
+
+
+def _check_rank(rank, world) -> None:
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"world must be an int in [1, {MAX_WORLD}], got {world!r}")
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
+        raise ValueError(f"rank must be an int in [0, world={world}), got {rank!r}")
+
+
+def check_generation(generation, device) -> None:
+    check_tensor("generation", generation, torch.int32, (1,), device)
+
+
+def publish(front: torch.Tensor, table: torch.Tensor, rank: int, world: int,
+            generation: torch.Tensor, latent: int, num_experts: int, *, wide_rows: int,
+            config: dict | None = None) -> None:
+    """Write this rank's shards of ``front`` into every rank's mailbox, parity
+    ``generation[0] & 1``.
+
+    ``front`` FP32 [b, E/T + L/T] (rows of stride(1) == 1): rank ``rank``'s logits shard,
+    then its latent shard. ``table`` int64 [T]: every rank's buffer pointer
+    (``mailbox_table``), buffers ``[2, wide_rows, L + 2E]``. For every row t < b and every
+    destination d in turn it writes the logits' FP32 bits at word ``L/2 + (E/T)*rank`` of
+    row t and the latent rounded once to BF16 (RNE, as torch; NaN -> 0x7FC0) at column
+    ``(L/T)*rank``; a -0 (or a value rounding to -0) is written as +0.
+    """
+    _check_rank(rank, world)
+    for name, value in (("latent", latent), ("num_experts", num_experts),
+                        ("wide_rows", wide_rows)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_experts % world or latent % world:
+        raise ValueError(f"num_experts ({num_experts}) and latent ({latent}) must be "
+                         f"multiples of world ({world})")
+    if latent % 2:
+        raise ValueError(f"latent ({latent}) must be even")
+    experts_per_rank, latent_per_rank = num_experts // world, latent // world
+    if not isinstance(front, torch.Tensor) or front.dim() != 2:
+        raise ValueError("front must be a 2-D tensor [b, E/T + L/T]")
+    check_tensor("front", front, torch.float32,
+                 (None, experts_per_rank + latent_per_rank), contiguous=False)
+    if front.stride(1) != 1:
+        raise ValueError("front must have contiguous rows (stride 1 along its last dim)")
+    rows = front.shape[0]
+    if rows > wide_rows:
+        raise ValueError(f"front has {rows} rows, more than wide_rows ({wide_rows})")
+    check_tensor("table", table, torch.int64, (world,), front.device)
+    check_generation(generation, front.device)
+    if rows == 0:
+        return
+    cols = experts_per_rank + latent_per_rank
+    cfg = config or config_for(KERNEL, shape_key(experts_per_rank, latent_per_rank, world),
+                               rows, DEFAULT, front.device)
+    row_stride = latent + 2 * num_experts
+    grid = (triton.cdiv(rows, cfg["BLOCK_T"]), triton.cdiv(cols, cfg["BLOCK_C"]))
+    _publish_kernel[grid](front, front.stride(0), table, generation, rank, world, rows,
+                          experts_per_rank, latent_per_rank, latent, row_stride,
+                          wide_rows * row_stride, BLOCK_T=cfg["BLOCK_T"],
+                          BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])

@@ -1,0 +1,175 @@
+"""The MXFP8 plan: BF16 (or FP32) rows -> E4M3 codes + E8M0 scales per 32 columns.
+
+``mxfp8_tile`` is the one Triton quantizer; the experts kernel uses it for the hidden
+too. It is bit-identical to ``wide_moe_triton.mx.quantize_mxfp8`` (see there for the
+rules); the E4M3 rounding is done on the FP32 bits rather than by a cast, because casts
+differ between backends (Triton's interpreter rounds ties away from zero).
+
+``quantize_mxfp8`` quantizes a tensor; ``quantize_mxfp8_mailbox`` quantizes the BF16
+latent straight out of this rank's Lamport mailbox (see ``mailbox.py``), polling each
+tile until published and re-arming it after the read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_tensor
+from ..tuning import config_for
+from .bits import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401 (re-exported)
+from . import mailbox as mb
+
+KERNEL = "plan"
+DEFAULT = {"BLOCK_ROWS": 16, "BLOCK_COLS": 256, "num_warps": 4}
+SPACE = [{"BLOCK_ROWS": r, "BLOCK_COLS": c, "num_warps": w}
+         for r in (4, 16, 32) for c in (128, 256, 512) for w in (2, 4, 8)]
+
+
+def shape_key(cols: int, polled: bool = False) -> str:
+    return f"N{cols}" + ("_mailbox" if polled else "")
+
+
+@triton.jit
+def e4m3_codes(y):
+    """E4M3 codes (uint8) of FP32 ``y`` already clamped to [-448, 448], RNE."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = ((bits >> 24) & 0x80).to(tl.uint8)
+    a_bits = bits & 0x7FFFFFFF
+    # Normal range: keep 3 mantissa bits, ties to even, then rebias 127 -> 7.
+    normal = ((a_bits + 0x7FFFF + ((a_bits >> 20) & 1)) >> 20) - (120 << 3)
+    # Below 2**-6 the step is 2**-9: adding 2**23 rounds a*512 to an integer, RNE.
+    a = a_bits.to(tl.float32, bitcast=True)
+    sub = (a * 512.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    code = tl.where(a < 0.015625, sub, normal)
+    return code.to(tl.uint8) | sign
+
+
+@triton.jit
+def mxfp8_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """(codes uint8 [ROWS, COLS], scale bytes uint8 [ROWS, COLS // 32]) of FP32 ``x``."""
+    blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
+    amax = tl.max(tl.abs(blocks), axis=2)
+    # x * 0 is NaN exactly for NaN and +-Inf: such blocks become NaN-coded.
+    nonfinite = tl.max(((blocks * 0.0) != 0.0).to(tl.int32), axis=2) != 0
+    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    exponent = tl.minimum(tl.maximum(biased - 127 - 8, -127), 127)
+    factor = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**-exponent
+    y = blocks * factor[:, :, None]
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    codes = e4m3_codes(y)
+    codes = tl.where(nonfinite[:, :, None], tl.full(codes.shape, 0x7F, tl.uint8), codes)
+    scales = tl.where(nonfinite, 0xFF, exponent + 127).to(tl.uint8)
+    return tl.reshape(codes, (ROWS, COLS)), scales
+
+
+@triton.jit
+def _plan_kernel(x_ptr, x_stride, q_ptr, s_ptr, rows, cols, BF16_BITS: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_stride + c[None, :], mask=mask, other=0)
+    x = bf16_bits_to_f32(x) if BF16_BITS else x.to(tl.float32)
+    codes, scales = mxfp8_tile(x, BLOCK_ROWS, BLOCK_COLS)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], codes, mask=mask)
+    sc = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    tl.store(s_ptr + r[:, None].to(tl.int64) * (cols // 32) + sc[None, :], scales,
+             mask=(r[:, None] < rows) & (sc[None, :] < cols // 32))
+
+
+def quantize_mxfp8(x: torch.Tensor, *, out: tuple | None = None, config: dict | None = None):
+    """MXFP8 of ``x`` [rows, n] (BF16 or FP32, rows contiguous, n a multiple of 32)
+    along its last dim: (codes uint8 [rows, n], scales uint8 [rows, n/32]), bit-identical
+    to ``mx.quantize_mxfp8``."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [rows, n], got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"x must be torch.bfloat16 or torch.float32, got {x.dtype}")
+    rows, cols = x.shape
+    if cols % 32:
+        raise ValueError(f"x's last dimension ({cols}) must be a multiple of 32")
+    if x.stride(1) != 1:
+        raise ValueError("x must have contiguous rows (stride 1 along its last dim)")
+    if out is None:
+        out = (torch.empty(rows, cols, dtype=torch.uint8, device=x.device),
+               torch.empty(rows, cols // 32, dtype=torch.uint8, device=x.device))
+    check_tensor("out[0]", out[0], torch.uint8, (rows, cols), x.device)
+    check_tensor("out[1]", out[1], torch.uint8, (rows, cols // 32), x.device)
+    if rows == 0:
+        return out
+    cfg = config or config_for(KERNEL, shape_key(cols), rows, DEFAULT, x.device)
+    grid = (triton.cdiv(rows, cfg["BLOCK_ROWS"]), triton.cdiv(cols, cfg["BLOCK_COLS"]))
+    bits = x.dtype == torch.bfloat16
+    _plan_kernel[grid](x.view(torch.int16) if bits else x, x.stride(0), out[0], out[1],
+                       rows, cols, BF16_BITS=bits,
+                       BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"],
+                       num_warps=cfg["num_warps"])
+    return out
+
+
+@triton.jit
+def _plan_mailbox_kernel(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows,
+                         cols, latent_per_rank, error_ptr, spin_limit,
+                         BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    parity = tl.load(gen_ptr) & 1
+    ptrs = (mb_ptr + parity.to(tl.int64) * parity_stride
+            + r[:, None].to(tl.int64) * row_stride + c[None, :])
+    owner = tl.zeros_like(r)[:, None] + c[None, :] // latent_per_rank
+    bits = mb.take(ptrs, mask, owner, spin_limit, error_ptr, parity, mb.EMPTY_HALF)
+    codes, scales = mxfp8_tile(bf16_bits_to_f32(bits), BLOCK_ROWS, BLOCK_COLS)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], codes, mask=mask)
+    sc = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    tl.store(s_ptr + r[:, None].to(tl.int64) * (cols // 32) + sc[None, :], scales,
+             mask=(r[:, None] < rows) & (sc[None, :] < cols // 32))
+
+
+def quantize_mxfp8_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int, *,
+                           latent: int, world: int, error: torch.Tensor,
+                           spin_limit: int = mb.DEFAULT_SPIN_LIMIT, out: tuple | None = None,
+                           config: dict | None = None):
+    """MXFP8 (codes uint8 [rows, latent], scales uint8 [rows, latent/32]) of the BF16
+    latent in this rank's ``mailbox`` (int16/BF16 [2, wide_rows, latent + 2E]), rows
+    0..rows-1 of parity ``generation[0] & 1`` (read on the device): bit-identical to
+    ``mx.quantize_mxfp8`` of that BF16 latent.
+
+    Each tile is polled until published (at most ``spin_limit`` rounds; on a timeout the
+    ranks of the still-empty columns, ``world`` ranks of latent/world columns each, and
+    the parity go to ``error``, int32 [2], and the empty columns quantize as -0), then
+    re-armed."""
+    mb.check_mailbox("mailbox", mailbox)
+    device = mailbox.device
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= mb.MAX_WORLD:
+        raise ValueError(f"world must be an int in [1, {mb.MAX_WORLD}], got {world!r}")
+    if (not isinstance(latent, int) or isinstance(latent, bool) or latent < 32
+            or latent % (32 * world) or latent >= mailbox.shape[2]):
+        raise ValueError(f"latent must be a multiple of 32 * world = {32 * world} below the "
+                         f"mailbox's {mailbox.shape[2]} columns, got {latent!r}")
+    if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= mailbox.shape[1]:
+        raise ValueError(f"rows must be an int in [0, wide_rows={mailbox.shape[1]}], "
+                         f"got {rows!r}")
+    if not isinstance(spin_limit, int) or isinstance(spin_limit, bool) or spin_limit < 1:
+        raise ValueError(f"spin_limit must be a positive int, got {spin_limit!r}")
+    mb.check_generation(generation, device)
+    check_tensor("error", error, torch.int32, (2,), device)
+    if out is None:
+        out = (torch.empty(rows, latent, dtype=torch.uint8, device=device),
+               torch.empty(rows, latent // 32, dtype=torch.uint8, device=device))
+    check_tensor("out[0]", out[0], torch.uint8, (rows, latent), device)
+    check_tensor("out[1]", out[1], torch.uint8, (rows, latent // 32), device)
+    if rows == 0:
+        return out
+    cfg = config or config_for(KERNEL, shape_key(latent, polled=True), rows, DEFAULT, device)
+    grid = (triton.cdiv(rows, cfg["BLOCK_ROWS"]), triton.cdiv(latent, cfg["BLOCK_COLS"]))
+    columns = mailbox.shape[2]
+    _plan_mailbox_kernel[grid](mailbox.view(torch.int16), generation, columns,
+                               mailbox.shape[1] * columns, out[0], out[1], rows, latent,
+                               latent // world, error, spin_limit,
+                               BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"],
+                               num_warps=cfg["num_warps"])
+    return out

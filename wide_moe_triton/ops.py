@@ -1,0 +1,36 @@
+"""One function a stage, torch tensors in and out (the kernels' launch wrappers).
+
+    route(logits, bias, top_k, renormalize, scale) -> (ids int32 [b, K], weights bf16 [b, K])
+    quantize_mxfp8(x)                              -> (codes uint8 [.., n], scales uint8 [.., n/32])
+    finalize(rows, weights)                        -> bf16 [b, L]
+    front_gemm(x, packed)                          -> fp32 [b, N]
+    experts(q, q_scales, weights, counts, pairs, generation, top_k, beta, linear_beta)
+                                                   -> bf16 [b*K, L]
+    rms_norm(x, weight, eps)                       -> bf16 [b, L]
+
+Each checks its arguments and raises naming the one that is wrong.
+"""
+
+from .kernels.experts import experts, prepare_weights
+from .kernels.finalize import finalize
+from .kernels.front import front_gemm, pack_front
+from .kernels.mailbox import publish
+from .kernels.plan import quantize_mxfp8 as _quantize_2d
+from .kernels.route import RoutingLists, route
+from .kernels.tail import rms_norm
+
+
+def quantize_mxfp8(x, **kwargs):
+    """MXFP8 of ``x`` [..., n] (BF16 or FP32) along its last dim, bit-identical to
+    ``wide_moe_triton.mx.quantize_mxfp8``: (codes uint8 [..., n], scales uint8 [..., n/32])."""
+    if x.dim() == 2:
+        return _quantize_2d(x, **kwargs)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one dimension")
+    lead = x.shape[:-1]
+    q, s = _quantize_2d(x.reshape(-1, x.shape[-1]), **kwargs)
+    return q.reshape(*lead, x.shape[-1]), s.reshape(*lead, x.shape[-1] // 32)
+
+
+__all__ = ["route", "RoutingLists", "quantize_mxfp8", "finalize", "front_gemm", "pack_front",
+           "experts", "prepare_weights", "rms_norm", "publish"]

@@ -1,0 +1,278 @@
+"""``python -m wide_moe_triton.tune``: sweep every kernel's launch configs on this GPU and
+write ``autotune_configs/<GPU name>.json``.
+
+For each kernel, dims (TP rank-local shapes of Kimi-K3) and batch-width bucket it runs
+each candidate through the kernel's own launch wrapper, checks the output against the
+reference (a wrong config is never chosen), times it (``do_bench_cudagraph`` median) and
+keeps the fastest. Keys that set a kernel's reduction order (``REDUCTION_KEYS``) are
+chosen once per shape, at the smallest bucket, and held for the wider ones, so tuning
+never makes a token's bits depend on its batch width. Progress goes to a ``.partial``
+file beside the output after every point: an interrupted sweep resumes where it was.
+
+    python -m wide_moe_triton.tune --quick              # about 5 minutes on an H200
+    python -m wide_moe_triton.tune --tp 8 16 1 --batches 1 16 64 128 256 512 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import random
+import sys
+
+import torch
+
+from . import mx, reference, tuning
+from .config import WideMoEConfig
+
+BUCKETS = (1, 16, 64, 128, 256, 512, 1024)
+QUICK_BUCKETS = (64, 256, 1024)
+
+
+class Case:
+    """One kernel at one shape and batch width: ``run(config)`` launches it and returns its
+    output; ``ok(output)`` says whether that output is right."""
+
+    def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=()):
+        self.kernel, self.shape, self.space, self.default = kernel, shape, space, default
+        self.run, self.ok, self.reduction_keys = run, ok, reduction_keys
+
+
+def _equal(ref):
+    return lambda out: all(torch.equal(a, b) for a, b in zip(_tuple(out), _tuple(ref)))
+
+
+def _close(ref, tol):
+    def ok(out):
+        a, b = out.double(), ref.double()
+        return bool(torch.isfinite(a).all()) and ((a - b).norm() / b.norm()).item() < tol
+    return ok
+
+
+def _tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
+    """Every kernel's case at rank-local dims ``cfg`` (cfg.tp = T) and batch width b."""
+    from .kernels import experts as ek, finalize as fk, front as frk, plan as pk
+    from .kernels import route as rk, tail as tk
+
+    dev = torch.device("cuda")
+    H, L, E, K = cfg.hidden, cfg.latent, cfg.num_experts, cfg.top_k
+    I = cfg.intermediate_per_rank
+    N = cfg.experts_per_rank + cfg.latent_per_rank
+    rnd = lambda *s: torch.randn(*s, generator=gen, device=dev)  # noqa: E731
+
+    x = rnd(b, H).bfloat16()
+    packed = (rnd(N, H) * H ** -0.5).bfloat16()
+    front_out = torch.empty(b, N, device=dev)
+    yield Case(frk.KERNEL, frk.shape_key(N, H), frk.SPACE, frk.default_config(N, H, b),
+               lambda c: frk.front_gemm(x, packed, out=front_out, config=c),
+               _close(x.double() @ packed.double().t(), 1e-5), frk.REDUCTION_KEYS)
+
+    logits, bias = rnd(b, E), rnd(E) * 1e-3  # a balanced load, as after training
+    lists = rk.RoutingLists.empty(E, max(b, 1), dev)
+    ids_ref = reference.route(logits, bias, K, True, cfg.routed_scaling_factor)
+
+    def route(c):
+        lists.counts.zero_()
+        return rk.route(logits, bias, K, True, cfg.routed_scaling_factor, lists=lists, config=c)
+    yield Case(rk.KERNEL, rk.shape_key(E, K), rk.SPACE, rk.DEFAULT, route, _equal(ids_ref))
+
+    latent = rnd(b, L).bfloat16()
+    yield Case(pk.KERNEL, pk.shape_key(L), pk.SPACE, pk.DEFAULT,
+               lambda c: pk.quantize_mxfp8(latent, config=c), _equal(mx.quantize_mxfp8(latent)))
+
+    ids, _ = ids_ref
+    q, qs = mx.quantize_mxfp8(latent)
+    lists = rk.RoutingLists.empty(E, max(b, 1), dev)
+    rk.route(logits, bias, K, True, 1.0, lists=lists)
+    w = weights
+    sub = min(b, 16)
+    ref_rows = reference.expert_rows(q[:sub], qs[:sub], ids[:sub], w["w13"], w["w13_scales"],
+                                     w["w2"], w["w2_scales"], cfg.beta, cfg.linear_beta)
+    rows = torch.empty(b * K, L, dtype=torch.bfloat16, device=dev)
+    ws = ek.make_workspace(b * K, I, dev)
+
+    def experts(up, down):
+        return ek.experts(q, qs, w["prepared"], lists.counts, lists.pairs, lists.generation, K,
+                          cfg.beta, cfg.linear_beta, rows=rows, workspace=ws,
+                          config_up=up, config_down=down)
+
+    ok_rows = lambda out: _close(ref_rows, 1e-2)(out[:sub * K])  # noqa: E731
+    key = ek.shape_key(L, I, E)
+    yield Case(ek.KERNEL_UP, key, ek.SPACE_UP, ek.DEFAULT_UP,
+               lambda c: experts(c, ek.DEFAULT_DOWN), ok_rows)
+    yield Case(ek.KERNEL_DOWN, key, ek.SPACE_DOWN, ek.DEFAULT_DOWN,
+               lambda c: experts(ek.DEFAULT_UP, c), ok_rows)
+
+    expanded = rnd(b * K, L).bfloat16()
+    wts = (rnd(b, K) * 0.2).bfloat16()
+    yield Case(fk.KERNEL, fk.shape_key(L, K), fk.SPACE, fk.DEFAULT,
+               lambda c: fk.finalize(expanded, wts, config=c),
+               _equal(reference.finalize(expanded, wts)))
+
+    norm_w = (1 + 0.1 * rnd(L)).bfloat16()
+    yield Case(tk.KERNEL, tk.shape_key(L), tk.SPACE, tk.DEFAULT,
+               lambda c: tk.rms_norm(latent, norm_w, cfg.rms_eps, config=c),
+               _close(reference.rms_norm(latent, norm_w, cfg.rms_eps), 2 ** -8))
+
+
+def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator) -> dict:
+    """Rank-local MXFP4 experts drawn like ``LatentMoE``'s, without building the layer."""
+    from .kernels import experts as ek
+
+    E, L, I = cfg.num_experts, cfg.latent, cfg.intermediate_per_rank
+    parts: dict = {"w13": [], "w13_scales": [], "w2": [], "w2_scales": []}
+    for start in range(0, E, 64):
+        n = min(64, E - start)
+        p, s = mx.quantize_mxfp4(torch.randn(n, 2 * I, L, generator=gen, device="cuda") * L ** -0.5)
+        parts["w13"].append(p), parts["w13_scales"].append(s)
+        p, s = mx.quantize_mxfp4(torch.randn(n, L, I, generator=gen, device="cuda") * I ** -0.5)
+        parts["w2"].append(p), parts["w2_scales"].append(s)
+    w = {k: torch.cat(v) for k, v in parts.items()}
+    w["prepared"] = ek.prepare_weights(w["w13"], w["w13_scales"], w["w2"], w["w2_scales"])
+    return w
+
+
+def time_config(case: Case, config: dict) -> float | None:
+    """Median µs of ``case`` under ``config``, or None when it fails or is wrong."""
+    import triton
+
+    try:
+        out = case.run(config)
+        torch.cuda.synchronize()
+        if not case.ok(out):
+            return None
+        return triton.testing.do_bench_cudagraph(lambda: case.run(config), rep=20,
+                                                 return_mode="median") * 1e3
+    except Exception:  # a candidate that does not compile or launch is skipped
+        torch.cuda.synchronize()
+        return None
+
+
+def sweep(args) -> dict:
+    out = pathlib.Path(args.out)
+    partial = out.with_suffix(".partial.json")
+    done = json.loads(partial.read_text()) if partial.exists() and not args.fresh else {}
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is optional; progress still prints
+        tqdm = None
+    points = [(tp, b) for tp in args.tp for b in args.batches]
+    bar = tqdm(total=len(points), unit="point") if tqdm else None
+    for tp in args.tp:
+        cfg = WideMoEConfig.kimi_k3(tp=tp)
+        gen = torch.Generator(device="cuda").manual_seed(tp)
+        weights = random_expert_weights(cfg, gen)
+        for b in sorted(args.batches):
+            for case in cases(cfg, b, gen, weights):
+                if args.kernels and case.kernel not in args.kernels:
+                    continue
+                slot = done.setdefault(case.kernel, {}).setdefault(case.shape, {})
+                if str(b) in slot:
+                    continue
+                if bar:
+                    bar.set_description(f"tp{tp} b={b} {case.kernel}")
+                else:
+                    print(f"tp{tp} b={b} {case.kernel}", flush=True)
+                slot[str(b)] = best_config(case, slot, args.candidates, args.seed)
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps(done, indent=1))
+            if bar:
+                bar.update(1)
+        del weights
+        torch.cuda.empty_cache()
+    if bar:
+        bar.close()
+    return done
+
+
+def best_config(case: Case, chosen: dict, candidates: int | None, seed: int) -> dict:
+    """The fastest correct config of ``case``, holding the reduction keys already chosen
+    at a smaller bucket of the same shape."""
+    space = [dict(c) for c in case.space]
+    held = None
+    if case.reduction_keys and chosen:
+        first = chosen[min(chosen, key=int)]
+        held = {k: first[k] for k in case.reduction_keys}
+        space = [c for c in space if all(c[k] == v for k, v in held.items())]
+    if candidates and len(space) > candidates:
+        space = random.Random(seed).sample(space, candidates)
+    default = dict(case.default)
+    if held:
+        default.update(held)
+    best, best_us = dict(default), time_config(case, default)
+    if best_us is None:
+        raise RuntimeError(f"{case.kernel} at {case.shape}: the default config fails its check")
+    default_us = best_us
+    for config in space:
+        us = time_config(case, config)
+        if us is not None and us < best_us:
+            best, best_us = config, us
+    best["_us"], best["_default_us"] = round(best_us, 2), round(default_us, 2)
+    return best
+
+
+def write_table(done: dict, path: pathlib.Path) -> None:
+    import triton
+
+    name = tuning.gpu_name()
+    kernels = {k: {s: {b: {n: v for n, v in c.items() if not n.startswith("_")}
+                       for b, c in buckets.items()} for s, buckets in shapes.items()}
+               for k, shapes in done.items()}
+    timings = {k: {s: {b: {"tuned": c.get("_us"), "default": c.get("_default_us")}
+                       for b, c in buckets.items()}
+                   for s, buckets in shapes.items()} for k, shapes in done.items()}
+    table = {"gpu": name, "triton": triton.__version__, "torch": torch.__version__,
+             "date": datetime.date.today().isoformat(),
+             "dims": "Kimi-K3 (H 7168, L 3584, E 896, K 16, I 3072) rank-local shapes",
+             "kernels": kernels, "timings_us": timings}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wide_moe_triton.tune", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, nargs="+", default=[8, 16, 1])
+    p.add_argument("--batches", type=int, nargs="+")
+    p.add_argument("--kernels", nargs="+", help="only these kernels (default: all)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"buckets {QUICK_BUCKETS} and 6 candidates a point")
+    p.add_argument("--candidates", type=int, help="candidates a point (random sample)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fresh", action="store_true", help="ignore a .partial file")
+    p.add_argument("--out", help="output JSON (default autotune_configs/<GPU>.json)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("tune needs a CUDA GPU (configs are per GPU)", file=sys.stderr)
+        return 2
+    args.batches = args.batches or list(QUICK_BUCKETS if args.quick else BUCKETS)
+    if args.quick and args.candidates is None:
+        args.candidates = 6
+    args.out = args.out or str(tuning.table_path(tuning.gpu_name()))
+    done = sweep(args)
+    write_table(done, pathlib.Path(args.out))
+    print_gains(done)
+    return 0
+
+
+def print_gains(done: dict) -> None:
+    """The tuned config against the default at every point of the sweep."""
+    print("\n| kernel | shape | b | default µs | tuned µs | gain |")
+    print("|---|---|---|---|---|---|")
+    for kernel, shapes in done.items():
+        for shape, buckets in shapes.items():
+            for b in sorted(buckets, key=int):
+                c = buckets[b]
+                print(f"| {kernel} | {shape} | {b} | {c['_default_us']:.1f} | {c['_us']:.1f} "
+                      f"| {c['_default_us'] / c['_us']:.2f}x |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
