@@ -9,7 +9,9 @@ static input gets fresh rows; every ``--check-every`` replays the graph's output
 compared bit for bit with an eager call on the same input, and the mailbox is checked to
 be all-empty between calls. Exits non-zero on the first difference.
 
-``--sanitize`` instead runs a few eager calls at the tiny dims (for compute-sanitizer).
+``--sanitize`` instead runs a few eager calls at the tiny dims (for compute-sanitizer);
+``--invariance`` checks that a row's output has the same bits alone, inside 65 rows and
+inside 1024 rows (the tuned configs change tiles per batch width, never reductions).
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ def sanitize_run() -> int:
     return 0
 
 
+def invariance_run(experts: int) -> int:
+    cfg = WideMoEConfig.kimi_k3(tp=1).replace(num_experts=experts)
+    stock = LatentMoE(cfg, seed=0, device="cuda")
+    wide = WideMoE.from_module(stock)
+    x = torch.randn(1024, cfg.hidden, device="cuda").bfloat16()
+    alone, in_65, in_all = wide(x[7:8]), wide(x[:65])[7:8], wide(x)[7:8]
+    same = torch.equal(alone, in_65) and torch.equal(alone, in_all)
+    print(f"batch invariance at E={experts}: row 7 alone / in 65 / in 1024 "
+          f"{'bitwise equal' if same else 'DIFFER'}")
+    return 0 if same else 1
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,9 +69,12 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=65)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--sanitize", action="store_true")
+    p.add_argument("--invariance", action="store_true")
     args = p.parse_args(argv)
     if args.sanitize:
         return sanitize_run()
+    if args.invariance:
+        return invariance_run(args.experts)
     cfg = WideMoEConfig.kimi_k3(tp=1).replace(num_experts=args.experts)
     stock = LatentMoE(cfg, seed=0, device="cuda")
     wide = WideMoE.from_module(stock)

@@ -60,7 +60,7 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     from .kernels import experts as ek, finalize as fk, front as frk, plan as pk
     from .kernels import route as rk, tail as tk
 
-    dev = torch.device("cuda")
+    dev = gen.device
     H, L, E, K = cfg.hidden, cfg.latent, cfg.num_experts, cfg.top_k
     I = cfg.intermediate_per_rank
     N = cfg.experts_per_rank + cfg.latent_per_rank
@@ -125,13 +125,14 @@ def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator) -> dict:
     """Rank-local MXFP4 experts drawn like ``LatentMoE``'s, without building the layer."""
     from .kernels import experts as ek
 
+    dev = gen.device
     E, L, I = cfg.num_experts, cfg.latent, cfg.intermediate_per_rank
     parts: dict = {"w13": [], "w13_scales": [], "w2": [], "w2_scales": []}
     for start in range(0, E, 64):
         n = min(64, E - start)
-        p, s = mx.quantize_mxfp4(torch.randn(n, 2 * I, L, generator=gen, device="cuda") * L ** -0.5)
+        p, s = mx.quantize_mxfp4(torch.randn(n, 2 * I, L, generator=gen, device=dev) * L ** -0.5)
         parts["w13"].append(p), parts["w13_scales"].append(s)
-        p, s = mx.quantize_mxfp4(torch.randn(n, L, I, generator=gen, device="cuda") * I ** -0.5)
+        p, s = mx.quantize_mxfp4(torch.randn(n, L, I, generator=gen, device=dev) * I ** -0.5)
         parts["w2"].append(p), parts["w2_scales"].append(s)
     w = {k: torch.cat(v) for k, v in parts.items()}
     w["prepared"] = ek.prepare_weights(w["w13"], w["w13_scales"], w["w2"], w["w2_scales"])
@@ -140,17 +141,26 @@ def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator) -> dict:
 
 def time_config(case: Case, config: dict) -> float | None:
     """Median µs of ``case`` under ``config``, or None when it fails or is wrong."""
+    import time
+
     import triton
 
+    cuda = torch.cuda.is_available()
     try:
         out = case.run(config)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         if not case.ok(out):
             return None
+        if not cuda:  # --dry-run in the interpreter: checks, and a token wall time
+            start = time.perf_counter()
+            case.run(config)
+            return (time.perf_counter() - start) * 1e6
         return triton.testing.do_bench_cudagraph(lambda: case.run(config), rep=20,
                                                  return_mode="median") * 1e3
     except Exception:  # a candidate that does not compile or launch is skipped
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return None
 
 
@@ -165,8 +175,8 @@ def sweep(args) -> dict:
     points = [(tp, b) for tp in args.tp for b in args.batches]
     bar = tqdm(total=len(points), unit="point") if tqdm else None
     for tp in args.tp:
-        cfg = WideMoEConfig.kimi_k3(tp=tp)
-        gen = torch.Generator(device="cuda").manual_seed(tp)
+        cfg = WideMoEConfig.tiny(tp=tp) if args.dry_run else WideMoEConfig.kimi_k3(tp=tp)
+        gen = torch.Generator(device="cpu" if args.dry_run else "cuda").manual_seed(tp)
         weights = random_expert_weights(cfg, gen)
         for b in sorted(args.batches):
             for case in cases(cfg, b, gen, weights):
@@ -185,7 +195,8 @@ def sweep(args) -> dict:
             if bar:
                 bar.update(1)
         del weights
-        torch.cuda.empty_cache()
+        if not args.dry_run:
+            torch.cuda.empty_cache()
     if bar:
         bar.close()
     return done
@@ -200,11 +211,15 @@ def best_config(case: Case, chosen: dict, candidates: int | None, seed: int) -> 
         first = chosen[min(chosen, key=int)]
         held = {k: first[k] for k in case.reduction_keys}
         space = [c for c in space if all(c[k] == v for k, v in held.items())]
-    if candidates and len(space) > candidates:
-        space = random.Random(seed).sample(space, candidates)
     default = dict(case.default)
     if held:
         default.update(held)
+    if candidates and len(space) > candidates:
+        # The default's neighbours (one key changed) always, then a random sample: a
+        # coordinate step around a sane point finds most of the gain in few compiles.
+        near = [c for c in space if sum(c.get(k) != v for k, v in default.items()) == 1]
+        rest = [c for c in space if c not in near]
+        space = near + random.Random(seed).sample(rest, min(candidates, len(rest)))
     best, best_us = dict(default), time_config(case, default)
     if best_us is None:
         raise RuntimeError(f"{case.kernel} at {case.shape}: the default config fails its check")
@@ -220,7 +235,7 @@ def best_config(case: Case, chosen: dict, candidates: int | None, seed: int) -> 
 def write_table(done: dict, path: pathlib.Path) -> None:
     import triton
 
-    name = tuning.gpu_name()
+    name = tuning.gpu_name() or "interpreter (dry run)"
     kernels = {k: {s: {b: {n: v for n, v in c.items() if not n.startswith("_")}
                        for b, c in buckets.items()} for s, buckets in shapes.items()}
                for k, shapes in done.items()}
@@ -243,18 +258,25 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--kernels", nargs="+", help="only these kernels (default: all)")
     p.add_argument("--quick", action="store_true",
-                   help=f"buckets {QUICK_BUCKETS} and 6 candidates a point")
+                   help=f"buckets {QUICK_BUCKETS}; the default's neighbours and 3 random candidates")
     p.add_argument("--candidates", type=int, help="candidates a point (random sample)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh", action="store_true", help="ignore a .partial file")
     p.add_argument("--out", help="output JSON (default autotune_configs/<GPU>.json)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny dims in Triton's interpreter: exercise the sweep, time nothing")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        import os
+
+        os.environ["TRITON_INTERPRET"] = "1"
+        args.out = args.out or "autotune_configs/dry-run.json"
+    elif not torch.cuda.is_available():
         print("tune needs a CUDA GPU (configs are per GPU)", file=sys.stderr)
         return 2
     args.batches = args.batches or list(QUICK_BUCKETS if args.quick else BUCKETS)
     if args.quick and args.candidates is None:
-        args.candidates = 6
+        args.candidates = 3
     args.out = args.out or str(tuning.table_path(tuning.gpu_name()))
     done = sweep(args)
     write_table(done, pathlib.Path(args.out))
