@@ -329,8 +329,11 @@ def plot(path):
         for impl in sorted({r["impl"] for r in sel}):
             pts = sorted((r["b"], r["us"]) for r in sel if r["impl"] == impl)
             ax.plot(*zip(*pts), marker="o", label=impl)
-        floor = sorted({(r["b"], r["floor_us"]) for r in sel})
-        ax.plot(*zip(*floor), "k--", label="floor")
+        # The floor of the stage itself: the fewest bytes any implementation must move.
+        floor = {}
+        for r in sel:
+            floor[r["b"]] = min(floor.get(r["b"], float("inf")), r["floor_us"])
+        ax.plot(*zip(*sorted(floor.items())), "k--", label="floor")
         ax.set_title(f"{shape} {stage}")
         ax.set_xlabel("batch rows")
         ax.set_ylabel("µs")
