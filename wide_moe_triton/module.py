@@ -117,6 +117,10 @@ class WideMoE(nn.Module):
 
     NaN policy: a token whose logits hold NaN routes as if those were -inf (ids always in
     [0, E)); NaN in x makes that token's output NaN and leaves every other token exact.
+
+    Mailbox timeouts: a poll gives up after ``spin_limit`` rounds and records the missing
+    ranks on the device. On CPU every forward raises on it; on a GPU reading the record
+    is a sync, so ``check_mailbox()`` is left to the caller (e.g. once a step).
     """
 
     def __init__(self, cfg: WideMoEConfig, weights: RankShard, scratch: WideScratch,
