@@ -248,6 +248,23 @@ def check_generation(generation, device) -> None:
     check_tensor("generation", generation, torch.int32, (1,), device)
 
 
+def check_poll_args(mailbox, generation, rows, world, error, spin_limit) -> torch.device:
+    """The checks every polled reader (route, plan) makes of its mailbox arguments; the
+    mailbox's device, which every other argument must share."""
+    check_mailbox("mailbox", mailbox)
+    device = mailbox.device
+    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"world must be an int in [1, {MAX_WORLD}], got {world!r}")
+    if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= mailbox.shape[1]:
+        raise ValueError(f"rows must be an int in [0, wide_rows={mailbox.shape[1]}], "
+                         f"got {rows!r}")
+    if not isinstance(spin_limit, int) or isinstance(spin_limit, bool) or spin_limit < 1:
+        raise ValueError(f"spin_limit must be a positive int, got {spin_limit!r}")
+    check_generation(generation, device)
+    check_tensor("error", error, torch.int32, (2,), device)
+    return device
+
+
 def publish(front: torch.Tensor, table: torch.Tensor, rank: int, world: int,
             generation: torch.Tensor, latent: int, num_experts: int, *, wide_rows: int,
             config: dict | None = None) -> None:

@@ -142,21 +142,11 @@ def quantize_mxfp8_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
     ranks of the still-empty columns, ``world`` ranks of latent/world columns each, and
     the parity go to ``error``, int32 [2], and the empty columns quantize as -0), then
     re-armed."""
-    mb.check_mailbox("mailbox", mailbox)
-    device = mailbox.device
-    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= mb.MAX_WORLD:
-        raise ValueError(f"world must be an int in [1, {mb.MAX_WORLD}], got {world!r}")
+    device = mb.check_poll_args(mailbox, generation, rows, world, error, spin_limit)
     if (not isinstance(latent, int) or isinstance(latent, bool) or latent < 32
             or latent % (32 * world) or latent >= mailbox.shape[2]):
         raise ValueError(f"latent must be a multiple of 32 * world = {32 * world} below the "
                          f"mailbox's {mailbox.shape[2]} columns, got {latent!r}")
-    if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= mailbox.shape[1]:
-        raise ValueError(f"rows must be an int in [0, wide_rows={mailbox.shape[1]}], "
-                         f"got {rows!r}")
-    if not isinstance(spin_limit, int) or isinstance(spin_limit, bool) or spin_limit < 1:
-        raise ValueError(f"spin_limit must be a positive int, got {spin_limit!r}")
-    mb.check_generation(generation, device)
-    check_tensor("error", error, torch.int32, (2,), device)
     if out is None:
         out = (torch.empty(rows, latent, dtype=torch.uint8, device=device),
                torch.empty(rows, latent // 32, dtype=torch.uint8, device=device))

@@ -306,8 +306,7 @@ def route_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int,
     on a timeout the ranks of the still-empty words and the parity go to ``error``, int32
     [2], and routing proceeds on what was read: ids stay in [0, E)), then re-armed.
     ``world`` ranks own E/world words each. Everything else as ``route``."""
-    mb.check_mailbox("mailbox", mailbox)
-    device = mailbox.device
+    device = mb.check_poll_args(mailbox, generation, rows, world, error, spin_limit)
     if not isinstance(latent, int) or isinstance(latent, bool) or latent < 2 or latent % 2:
         raise ValueError(f"latent must be a positive even int, got {latent!r}")
     columns = mailbox.shape[2]
@@ -315,18 +314,9 @@ def route_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int,
         raise ValueError(f"mailbox has {columns} columns, no room for logits after "
                          f"latent={latent}")
     num_experts = (columns - latent) // 2
-    if not isinstance(world, int) or isinstance(world, bool) or not 1 <= world <= mb.MAX_WORLD:
-        raise ValueError(f"world must be an int in [1, {mb.MAX_WORLD}], got {world!r}")
     if num_experts % world:
         raise ValueError(f"the mailbox's {num_experts} experts are not a multiple of "
                          f"world ({world})")
-    if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= mailbox.shape[1]:
-        raise ValueError(f"rows must be an int in [0, wide_rows={mailbox.shape[1]}], "
-                         f"got {rows!r}")
-    if not isinstance(spin_limit, int) or isinstance(spin_limit, bool) or spin_limit < 1:
-        raise ValueError(f"spin_limit must be a positive int, got {spin_limit!r}")
-    mb.check_generation(generation, device)
-    check_tensor("error", error, torch.int32, (2,), device)
     _check_routing_args(bias, top_k, renormalize, scale, num_experts, device)
     words = mailbox.view(torch.int16).view(torch.int32)
     row_words = columns // 2
