@@ -236,6 +236,21 @@ def grouped_peer(weights, latent, ids, cfg_t):
 
 # -------------------------------------------------------------------------- whole layer
 
+def capture_graph(module, static, warmups=3):
+    """(CUDA graph of one ``module(static)`` call, its output tensor), after warm-up calls
+    on a side stream (compiles, workspace allocations) as capture requires."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            module(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = module(static)
+    return graph, out
+
+
 def whole_layer(stock, batches, machine, label="tp1"):
     """WideMoE vs LatentMoE at T = 1 on this GPU: checked, then timed (eager and graph)."""
     wide = WideMoE.from_module(stock)
@@ -264,15 +279,7 @@ def whole_layer(stock, batches, machine, label="tp1"):
                machine, check=f"{err:.1e}")
         try:
             static = xs[0].clone()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    wide(static)
-            torch.cuda.current_stream().wait_stream(s)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                y = wide(static)
+            graph, y = capture_graph(wide, static)
             graph.replay()
             torch.cuda.synchronize()
             same_graph = torch.equal(y, wide(static))

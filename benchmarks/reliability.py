@@ -27,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from wide_moe_triton import LatentMoE, WideMoE, WideMoEConfig  # noqa: E402
 from wide_moe_triton.kernels import mailbox as mailbox_k  # noqa: E402
+from bench_layer import capture_graph  # noqa: E402  (this folder is on sys.path)
 
 
 def mailbox_empty(wide) -> bool:
@@ -87,15 +88,7 @@ def main(argv=None) -> int:
     print(f"eager vs stock: rel err {err:.2e}")
     if not err < 1e-2:
         return 1
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            wide(static)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = wide(static)
+    graph, out = capture_graph(wide, static)
     torch.cuda.synchronize()
     start, checks, memory = time.time(), 0, []
     for i in range(1, args.replays + 1):
