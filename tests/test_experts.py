@@ -47,8 +47,9 @@ def stock_weights(inter: int):
 
 
 @functools.lru_cache(maxsize=None)
-def prepared(inter: int, layout: str = "nk") -> ex.ExpertWeights:
-    return ex.prepare_weights(*(t.to(DEVICE) for t in stock_weights(inter)), layout=layout)
+def prepared(inter: int, layout: str = "wgmma", block_k=(None, None)) -> ex.ExpertWeights:
+    return ex.prepare_weights(*(t.to(DEVICE) for t in stock_weights(inter)), layout=layout,
+                              block_k_up=block_k[0], block_k_down=block_k[1])
 
 
 def make_plan(b: int, seed: int, nonfinite_tokens=()):
@@ -89,7 +90,7 @@ class Run:
                 and torch.equal(self.h_scales, other.h_scales))
 
 
-def launch(q, q_scales, ids, inter, *, layout="nk", generation=0, order_seed=None,
+def launch(q, q_scales, ids, inter, *, layout="wgmma", generation=0, order_seed=None,
            stale_ids=None, config_up=None, config_down=None, block_k=(None, None)) -> Run:
     """Run the experts over lists built from ``ids`` (order shuffled by ``order_seed``),
     with the other parity holding ``stale_ids``' lists (which must be ignored), into
@@ -104,15 +105,19 @@ def launch(q, q_scales, ids, inter, *, layout="nk", generation=0, order_seed=Non
         other = 1 - (generation & 1)
         counts[other], pairs[other] = stale[0][other], stale[1][other]
     big = poison(torch.empty(P + SPARE, L, dtype=torch.bfloat16, device=DEVICE))
-    work = ex.Workspace(*(poison(t) for t in ex.make_workspace(P + SPARE, inter, DEVICE)))
-    rows = ex.experts(q.to(DEVICE), q_scales.to(DEVICE), prepared(inter, layout), counts,
-                      pairs, gen, K, BETA, LINEAR_BETA, rows=big[:P], workspace=work,
-                      config_up=config_up, config_down=config_down,
-                      block_k_up=block_k[0], block_k_down=block_k[1])
+    work = ex.Workspace(*(poison(t) for t in ex.make_workspace(b + 1, K, L, inter, DEVICE)))
+    rows = ex.experts(q.to(DEVICE), q_scales.to(DEVICE), prepared(inter, layout, block_k),
+                      counts, pairs, gen, K, BETA, LINEAR_BETA, rows=big[:P], workspace=work,
+                      config_up=config_up, config_down=config_down)
     assert rows.data_ptr() == big.data_ptr()
     assert torch.isnan(big[P:].float()).all(), "a row past b*K was written"
     assert (work.h_codes[P:] == 0xA5).all() and (work.h_scales[P:] == 0xA5).all(), \
         "a workspace row past b*K was written"
+    assert torch.isnan(work.h_values[P:].float()).all(), "an h_values row past b*K was written"
+    assert torch.isnan(work.q_values[b:].float()).all(), "a q_values row past b was written"
+    if (config_down or ex.DEFAULT_DOWN)["A_BF16"]:  # the BF16 hidden is the MXFP8 one's value
+        h = mx.dequantize_mxfp8(work.h_codes[:P], work.h_scales[:P])
+        assert torch.equal(work.h_values[:P].float(), h), "h_values differ from the hidden"
     return Run(rows.cpu(), work.h_codes[:P].cpu(), work.h_scales[:P].cpu())
 
 
@@ -275,15 +280,15 @@ def configs(a_bf16, wide=False):
        layout=st.sampled_from(ex.LAYOUTS), generation=st.integers(0, 3),
        block_k=st.tuples(st.sampled_from([64, 128, 256]), st.sampled_from([32, 64, 128])),
        wide=st.booleans())
-@example(case=("random", 1, 0), inter=128, a_bf16=(0, 0), layout="nk", generation=0,
+@example(case=("random", 1, 0), inter=128, a_bf16=(0, 0), layout="wgmma", generation=0,
          block_k=(128, 128), wide=False)
-@example(case=("hot", BM, 1), inter=128, a_bf16=(1, 1), layout="nk", generation=1,
+@example(case=("hot", BM, 1), inter=128, a_bf16=(1, 1), layout="wgmma", generation=1,
          block_k=(256, 64), wide=False)
-@example(case=("hot", BM + 1, 2), inter=32, a_bf16=(0, 1), layout="kn", generation=2,
+@example(case=("hot", BM + 1, 2), inter=32, a_bf16=(0, 1), layout="nk", generation=2,
          block_k=(64, 32), wide=False)
-@example(case=("hot", 2 * BM + 1, 3), inter=128, a_bf16=(1, 0), layout="nk", generation=3,
+@example(case=("hot", 2 * BM + 1, 3), inter=128, a_bf16=(1, 0), layout="wgmma", generation=3,
          block_k=(128, 32), wide=False)
-@example(case=("distinct", E // K, 4), inter=32, a_bf16=(0, 0), layout="kn", generation=1,
+@example(case=("distinct", E // K, 4), inter=32, a_bf16=(0, 0), layout="nk", generation=1,
          block_k=(128, 32), wide=False)
 def test_rows_match_reference(case, inter, a_bf16, layout, generation, block_k, wide):
     """Hidden bits and rows against the reference, for skewed routings, one or several
@@ -343,17 +348,19 @@ def test_other_tokens_do_not_change_bits(case, extra, inter, nonfinite):
     assert not torch.isnan(shared.rows.reshape(b + extra, K, L)[clean].float()).any()
 
 
-UP_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s)
-              for m, n, a, w, s in ((16, 32, 1, 4, 3), (32, 128, 0, 8, 2), (64, 64, 1, 4, 4))]
-DOWN_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s)
-                for m, n, a, w, s in ((16, 64, 1, 4, 2), (32, 256, 0, 8, 3), (64, 128, 1, 4, 4))]
+UP_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s, maxnreg=r)
+              for m, n, a, w, s, r in ((16, 64, 1, 4, 3, 0), (32, 128, 0, 8, 2, 128),
+                                       (64, 256, 1, 8, 4, 0))]
+DOWN_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s, maxnreg=r)
+                for m, n, a, w, s, r in ((16, 64, 1, 4, 2, 128), (32, 256, 0, 8, 3, 0),
+                                         (64, 128, 1, 4, 4, 96))]
 
 
 @settings(max_examples=FEW)
 @given(case=cases, inter=st.sampled_from(INTERS), up=st.sampled_from(UP_CONFIGS),
        down=st.sampled_from(DOWN_CONFIGS), layout=st.sampled_from(ex.LAYOUTS))
 @example(case=("hot", BM + 1, 8), inter=32, up=UP_CONFIGS[2], down=DOWN_CONFIGS[0],
-         layout="kn")
+         layout="nk")
 def test_config_and_layout_do_not_change_bits(case, inter, up, down, layout):
     """Everything a batch-width bucket may change (BLOCK_M, BLOCK_N, A_BF16, warps,
     stages) and the weight layout leave the bits as the default config's."""
@@ -414,29 +421,85 @@ def test_reduction_block_is_fixed_per_shape():
 
 def test_tuning_spaces_are_valid_and_hold_the_defaults():
     """Every candidate is a complete, valid config without BLOCK_K; defaults are in."""
-    for name, space, default in (("up", ex.SPACE_UP, ex.DEFAULT_UP),
-                                 ("down", ex.SPACE_DOWN, ex.DEFAULT_DOWN)):
-        assert default in space, name
+    for name, space, default, priors in (("up", ex.SPACE_UP, ex.DEFAULT_UP, ex.PRIORS_UP),
+                                         ("down", ex.SPACE_DOWN, ex.DEFAULT_DOWN,
+                                          ex.PRIORS_DOWN)):
+        assert default in space and all(p in space for p in priors), name
         for config in space:
             assert set(config) == set(ex.CONFIG_KEYS)  # never BLOCK_K: see the module doc
             ex._check_config(name, config)
     assert ex.shape_key(3584, 384, 896) == "L3584_I384_E896"
 
 
-def test_prepare_weights_layouts():
-    """"kn" is the stock bytes transposed, read through swapped strides; bad input named."""
-    w13, w13_s, w2, w2_s = stock_weights(32)
-    kn = ex.prepare_weights(w13, w13_s, w2, w2_s, layout="kn")
-    assert (kn.num_experts, kn.latent, kn.inter) == (E, L, 32)
-    assert torch.equal(kn.w13, w13.transpose(1, 2)) and torch.equal(kn.w2_scales,
-                                                                    w2_s.transpose(1, 2))
-    assert kn.strides("w13") == (w13.stride(0), 1, 2 * 32)
+@given(block_k=st.sampled_from([32, 64, 128, 256]), seed=seeds)
+def test_lane_order_permutes_within_each_block(block_k, seed):
+    """Each row's block of block_k/2 bytes is permuted within itself (byte 4i + q to
+    q*block_k/8 + i), nothing crosses a block, and the inverse restores the stock bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (3, 5, 2 * 256), generator=gen, dtype=torch.uint8)
+    moved = ex.lane_order(codes, block_k)
+    half = block_k // 2
+    blocks, moved_blocks = codes.reshape(3, 5, -1, half), moved.reshape(3, 5, -1, half)
+    for j in (0, 1, 4, 5, half - 1):
+        q, i = j % 4, j // 4
+        assert torch.equal(moved_blocks[..., q * (block_k // 8) + i], blocks[..., j])
+    assert torch.equal(ex.lane_order(moved, block_k, inverse=True), codes)
+
+
+@given(rows=st.sampled_from([(2, 1), (4, 2), (8, 8)]), step=st.sampled_from([1, 2, 4]),
+       seed=seeds)
+def test_tiles_are_contiguous_row_blocks_by_steps(rows, step, seed):
+    """``tile`` puts each (row block, step) tile's bytes together, row block outermost,
+    steps in order; ``untile`` restores the stock order."""
+    n_rows, row_block = rows
+    gen = torch.Generator().manual_seed(seed)
+    t = torch.randint(0, 256, (2, n_rows, 4 * step), generator=gen, dtype=torch.uint8)
+    tiled = ex.tile(t, row_block, step).reshape(2, -1)
+    tile_bytes = row_block * step
+    for e, r, c in ((0, 0, 0), (1, n_rows - 1, 4 * step - 1), (1, n_rows // 2, step)):
+        blk, rr, cc = r // row_block, r % row_block, c // step
+        at = (blk * 4 + cc) * tile_bytes + rr * step + c % step
+        assert tiled[e, at] == t[e, r, c]
+    assert torch.equal(ex.untile(ex.tile(t, row_block, step), row_block, step), t)
+
+
+def test_prepare_weights_fixes_layout_and_reduction_blocks():
+    """The layout and reduction blocks chosen at build travel with the weights; the
+    stock bytes are kept ("nk") or tiled and lane-ordered ("wgmma") and recoverable;
+    bad input is named."""
+    stock = stock_weights(32)
+    w13, w13_s, w2, w2_s = stock
+    nk = ex.prepare_weights(w13, w13_s, w2, w2_s, layout="nk")
+    assert (nk.num_experts, nk.latent, nk.inter) == (E, L, 32)
+    assert (nk.block_k_up, nk.block_k_down) == (ex.reduction_block(L, ex.BLOCK_K_UP), 32)
+    assert all(torch.equal(a, b) for a, b in zip(nk.stock(), stock)) and nk.row_block == 1
+    sw = ex.prepare_weights(w13, w13_s, w2, w2_s, layout="wgmma", block_k_up=64)
+    assert sw.block_k_up == 64 and sw.row_block == ex.ROW_BLOCK
+    assert all(torch.equal(a, b) for a, b in zip(sw.stock(), stock))
+    assert not torch.equal(sw.w13, w13)
+    assert ex.prepare_weights(w13, w13_s, w2, w2_s).layout == "wgmma"  # CPU default
     with pytest.raises(ValueError, match="^layout "):
-        ex.prepare_weights(w13, w13_s, w2, w2_s, layout="swizzled")
+        ex.prepare_weights(w13, w13_s, w2, w2_s, layout="kn")
     with pytest.raises(ValueError, match="^w2 "):
         ex.prepare_weights(w13, w13_s, w2[:, :, :8], w2_s)
     with pytest.raises(TypeError, match="^w13_scales "):
         ex.prepare_weights(w13, w13_s.int(), w2, w2_s)
+    with pytest.raises(ValueError, match="^block_k_up "):
+        ex.prepare_weights(w13, w13_s, w2, w2_s, block_k_up=96)
+    with pytest.raises(ValueError, match="^block_k_down "):
+        ex.prepare_weights(w13, w13_s, w2, w2_s, block_k_down=64)  # does not divide I = 32
+
+
+@given(which=st.sampled_from(["w13_scales", "w2_scales"]), at=st.integers(0, 2 ** 20))
+def test_prepare_weights_refuses_nan_scales(which, at):
+    """A weight block of NaN/Inf (scale byte 0xFF) is refused: the kernels' dot_scaled
+    skips the NaN-scale test, so such a block would otherwise read as Inf."""
+    tensors = dict(zip(("w13", "w13_scales", "w2", "w2_scales"), stock_weights(32)))
+    bad = tensors[which].clone()
+    bad.view(-1)[at % bad.numel()] = mx.SCALE_NAN
+    tensors[which] = bad
+    with pytest.raises(ValueError, match=f"^{which} holds the NaN scale"):
+        ex.prepare_weights(**tensors)
 
 
 def _valid_args():
@@ -469,15 +532,20 @@ for _name, _make, _exc in [
     ("rows", lambda a, P, I: torch.empty(P, L, device=DEVICE), TypeError),
     ("rows", lambda a, P, I: torch.empty(P - 1, L, dtype=torch.bfloat16, device=DEVICE),
      ValueError),
-    ("workspace.h_codes", lambda a, P, I: ex.make_workspace(P - 1, I, DEVICE), ValueError),
-    ("workspace.h_scales", lambda a, P, I: ex.Workspace(
-        torch.empty(P, I, dtype=torch.uint8, device=DEVICE),
-        torch.empty(P, I, dtype=torch.uint8, device=DEVICE)), ValueError),
+    ("workspace", lambda a, P, I: tuple(ex.make_workspace(P // K, K, L, I, DEVICE)), TypeError),
+    ("workspace.h_codes", lambda a, P, I: ex.make_workspace(P // K - 1, K, L, I, DEVICE),
+     ValueError),
+    ("workspace.h_scales", lambda a, P, I: ex.make_workspace(P // K, K, L, I, DEVICE)._replace(
+        h_scales=torch.empty(P, I, dtype=torch.uint8, device=DEVICE)), ValueError),
+    ("workspace.h_values", lambda a, P, I: ex.make_workspace(P // K, K, L, I, DEVICE)._replace(
+        h_values=torch.empty(P, I, dtype=torch.float16, device=DEVICE)), TypeError),
+    ("workspace.q_values", lambda a, P, I: ex.make_workspace(P // K, K, L, I, DEVICE)._replace(
+        q_values=torch.empty(P // K, L + 32, dtype=torch.bfloat16, device=DEVICE)), ValueError),
     ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, BLOCK_K=64), ValueError),
     ("config_up", lambda a, P, I: {"BLOCK_M": 16}, ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, BLOCK_N=48), ValueError),
-    ("block_k_up", lambda a, P, I: 96, ValueError),
-    ("block_k_down", lambda a, P, I: 64, ValueError),  # does not divide I = 32
+    ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, BLOCK_N=32), ValueError),
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, maxnreg=100), ValueError),
 ]:
     _BAD.append(pytest.param(_name, _make, _exc, id=f"{_name}-{len(_BAD)}"))
 

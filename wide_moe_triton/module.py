@@ -56,7 +56,7 @@ class WideScratch:
         self.ids = empty(R, K, dtype=torch.int32)
         self.weights = empty(R, K, dtype=torch.bfloat16)
         self.plan = (empty(R, L, dtype=torch.uint8), empty(R, L // 32, dtype=torch.uint8))
-        self.hidden = experts_k.make_workspace(R * K, cfg.intermediate_per_rank, dev)
+        self.hidden = experts_k.make_workspace(R, K, L, cfg.intermediate_per_rank, dev)
         self.rows = empty(R * K, L, dtype=torch.bfloat16)
         self.latent_out = empty(R, L, dtype=torch.bfloat16)
         n_front = cfg.experts_per_rank + cfg.latent_per_rank

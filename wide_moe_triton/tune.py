@@ -35,9 +35,10 @@ class Case:
     """One kernel at one shape and batch width: ``run(config)`` launches it and returns its
     output; ``ok(output)`` says whether that output is right."""
 
-    def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=()):
+    def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=(), priors=()):
         self.kernel, self.shape, self.space, self.default = kernel, shape, space, default
         self.run, self.ok, self.reduction_keys = run, ok, reduction_keys
+        self.priors = [dict(p) for p in priors]  # always tried, with the neighbours
 
 
 def _equal(ref):
@@ -95,7 +96,7 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     ref_rows = reference.expert_rows(q[:sub], qs[:sub], ids[:sub], w["w13"], w["w13_scales"],
                                      w["w2"], w["w2_scales"], cfg.beta, cfg.linear_beta)
     rows = torch.empty(b * K, L, dtype=torch.bfloat16, device=dev)
-    ws = ek.make_workspace(b * K, I, dev)
+    ws = ek.make_workspace(b, K, L, I, dev)
 
     def experts(up, down):
         return ek.experts(q, qs, w["prepared"], lists.counts, lists.pairs, lists.generation, K,
@@ -105,9 +106,9 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     ok_rows = lambda out: _close(ref_rows, 1e-2)(out[:sub * K])  # noqa: E731
     key = ek.shape_key(L, I, E)
     yield Case(ek.KERNEL_UP, key, ek.SPACE_UP, ek.DEFAULT_UP,
-               lambda c: experts(c, ek.DEFAULT_DOWN), ok_rows)
+               lambda c: experts(c, ek.DEFAULT_DOWN), ok_rows, priors=ek.PRIORS_UP)
     yield Case(ek.KERNEL_DOWN, key, ek.SPACE_DOWN, ek.DEFAULT_DOWN,
-               lambda c: experts(ek.DEFAULT_UP, c), ok_rows)
+               lambda c: experts(ek.DEFAULT_UP, c), ok_rows, priors=ek.PRIORS_DOWN)
 
     expanded = rnd(b * K, L).bfloat16()
     wts = (rnd(b, K) * 0.2).bfloat16()
@@ -218,6 +219,7 @@ def best_config(case: Case, chosen: dict, candidates: int | None, seed: int) -> 
         # The default's neighbours (one key changed) always, then a random sample: a
         # coordinate step around a sane point finds most of the gain in few compiles.
         near = [c for c in space if sum(c.get(k) != v for k, v in default.items()) == 1]
+        near += [p for p in case.priors if p in space and p not in near]
         rest = [c for c in space if c not in near]
         space = near + random.Random(seed).sample(rest, min(candidates, len(rest)))
     best, best_us = dict(default), time_config(case, default)

@@ -5,31 +5,48 @@ Two launches, both with grid (expert, column tile), both building their row tile
 device from the routing lists (no host sync, CUDA-graph capturable):
 
 - ``up``   (E, cdiv(I, BLOCK_N)): for each tile of BLOCK_M pairs of expert e, gathers the
-  tokens' MXFP8 plan rows, computes the gate and up columns of one BLOCK_N slice with two
-  ``tl.dot_scaled`` (E4M3 x E2M1, FP32 accumulation) over L, applies SiTU in FP32 and
-  quantizes the hidden to MXFP8 per 32 columns (``plan.mxfp8_tile``) into the workspace
-  at row p.
-- ``down`` (E, cdiv(L, BLOCK_N)): same list walk; ``tl.dot_scaled`` of the hidden rows
-  (E4M3) with W2_e (E2M1) over I, rounded once to BF16 into ``rows`` at row p.
+  tokens' MXFP8 plan rows, computes BLOCK_N gate and BLOCK_N up columns with two
+  ``tl.dot_scaled`` (E2M1 weights x E4M3 activations, FP32 accumulation) over L, applies
+  SiTU in FP32 and quantizes the hidden to MXFP8 per 32 columns (``plan.mxfp8_tile``)
+  into the workspace at row p.
+- ``down`` (E, cdiv(L, BLOCK_N)): same list walk; ``tl.dot_scaled`` of W2_e with the
+  hidden rows over I, rounded once to BF16 into ``rows`` at row p.
 
 Each program streams its weight slice once per tile of BLOCK_M pairs, so an expert with
 at most BLOCK_M pairs streams its weights once per call; an expert no pair chose costs
 one load of its count.
 
+How the weights stream (Hopper; benchmarks/NOTES.md has the measurements):
+
+- Swap-AB: the weights are ``dot_scaled``'s left operand, so that a weight tile fills
+  the tensor cores' 64-row side and the handful of tokens an expert gets their narrow
+  side (16 or more), instead of a token tile padded to 64 rows.
+- On Hopper, which has no MX tensor cores, ``dot_scaled`` upcasts the E2M1 tile to BF16
+  in registers and feeds wgmma's register operand. The "wgmma" weight layout
+  (``ExpertWeights``) orders each row's bytes the way that operand's threads take them
+  and stores each (64 rows x one reduction step) tile contiguously, so tiles arrive as
+  wide, contiguous, asynchronous copies.
+- The upcast is then the limit: Triton's E2M1 decode is a table lookup by byte permutes
+  (about 2.8 integer instructions an element), and the integer pipe runs at half the
+  rate of the FP32 one. ``maxnreg`` (a register cap, per config) buys resident warps to
+  hide its latency.
+
 Reproducibility: an output row of an MMA depends only on its own input row and on the
-order of the reduction, which is fixed by BLOCK_K (chosen per shape, never per batch
-width: ``reduction_block``). So rows do not depend on the claim order within a list nor
-on which other tokens share the batch; only BLOCK_M, BLOCK_N, A_BF16, num_warps and
-num_stages vary with the batch-width bucket. (On a GPU, Triton may pick a different MMA
-instruction for another BLOCK_M or num_warps; that it sums a row in the same order is
-the hardware's property, which tests/test_experts.py checks bit for bit.)
+order of the reduction, which is fixed by BLOCK_K (chosen per shape, at
+``prepare_weights``, never per batch width). So rows do not depend on the claim order
+within a list nor on which other tokens share the batch; only BLOCK_M, BLOCK_N, A_BF16,
+num_warps, num_stages and maxnreg vary with the batch-width bucket. (On a GPU, Triton
+may pick a different MMA instruction for another BLOCK_M or num_warps; that it sums a
+row in the same order is the hardware's property, which tests/test_experts.py checks
+bit for bit.)
 
 ``A_BF16`` (a config choice, 0/1): feed the activations to ``tl.dot_scaled`` as E4M3
-codes with their scales, or as BF16 values after an upcast in the kernel. E4M3 times an
-E8M0 scale is exact in BF16 for scale bytes 3..246, i.e. for every block whose amax is
-at least 2**-116 (below that, BF16's subnormals run out): DESIGN.md's exact upcast. On
-Hopper, ``dot_scaled`` upcasts both operands to BF16 itself, so both variants feed the
-same BF16 products to the same FP32 MMA; which one streams faster is measured.
+codes with their scales, or as their BF16 values, computed once ahead (the plan's by
+``_plan_values_kernel``, the hidden's by the up kernel, into the workspace). E4M3 times
+an E8M0 scale is exact in BF16 for scale bytes 3..246, i.e. for every block whose amax
+is at least 2**-116 (below that, BF16's subnormals run out): DESIGN.md's exact upcast.
+Both variants feed the same BF16 products to the same FP32 MMA; which one streams
+faster is measured.
 """
 
 from __future__ import annotations
@@ -42,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor
+from .. import mx
 from ..config import MX_BLOCK
 from ..tuning import config_for
 from .bits import f32_to_bf16_bits
@@ -49,24 +67,37 @@ from .plan import mxfp8_tile
 
 KERNEL_UP = "experts_up"
 KERNEL_DOWN = "experts_down"
-DEFAULT_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 0, "num_warps": 4, "num_stages": 3}
-DEFAULT_DOWN = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 4, "num_stages": 3}
+# Defaults: the best measured on the H200 at TP8, b = 65..256 (benchmarks/NOTES.md).
+DEFAULT_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
+              "maxnreg": 128}
+DEFAULT_DOWN = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
+                "maxnreg": 0}
 # BLOCK_K is deliberately absent: it fixes the reduction order, so it is a function of
 # the shape only (``reduction_block``), never of the batch-width bucket.
-SPACE_UP = [{"BLOCK_M": m, "BLOCK_N": n, "A_BF16": a, "num_warps": w, "num_stages": s}
-            for m in (16, 32, 64) for n in (32, 64, 128) for a in (0, 1)
-            for w in (4, 8) for s in (2, 3, 4)]
-SPACE_DOWN = [{"BLOCK_M": m, "BLOCK_N": n, "A_BF16": a, "num_warps": w, "num_stages": s}
+SPACE_UP = [{"BLOCK_M": m, "BLOCK_N": n, "A_BF16": a, "num_warps": w, "num_stages": s,
+             "maxnreg": r}
+            for m in (16, 32, 64) for n in (64, 128, 256) for a in (0, 1)
+            for w in (4, 8) for s in (3, 4) for r in (0, 128)]
+SPACE_DOWN = [{"BLOCK_M": m, "BLOCK_N": n, "A_BF16": a, "num_warps": w, "num_stages": s,
+               "maxnreg": r}
               for m in (16, 32, 64) for n in (64, 128, 256) for a in (0, 1)
-              for w in (4, 8) for s in (2, 3, 4)]
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "A_BF16", "num_warps", "num_stages")
+              for w in (4, 8) for s in (3, 4) for r in (0, 128)]
+# Configs the tuner always tries besides the default's neighbours: the best measured on
+# the H200 at wide batches (several changes away from the default).
+PRIORS_UP = [{"BLOCK_M": 32, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 8, "num_stages": 3,
+              "maxnreg": 128}]
+PRIORS_DOWN = [{"BLOCK_M": 32, "BLOCK_N": 256, "A_BF16": 0, "num_warps": 8, "num_stages": 3,
+                "maxnreg": 128}]
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "A_BF16", "num_warps", "num_stages", "maxnreg")
 
 # Preferred reduction steps (elements along L for up, along I for down); the step used is
 # the largest power of two <= this that divides the dimension.
 BLOCK_K_UP = 128
 BLOCK_K_DOWN = 128
 
-LAYOUTS = ("nk", "kn")
+LAYOUTS = ("wgmma", "nk")
+# Rows of a weight tile in the "wgmma" layout: one wgmma M atom (64 rows a warpgroup).
+ROW_BLOCK = 64
 
 
 def shape_key(latent: int, inter: int, num_experts: int) -> str:
@@ -90,13 +121,23 @@ def reduction_block(n: int, preferred: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ExpertWeights:
-    """The experts' MXFP4 weights in the layout the kernels stream (``prepare_weights``).
+    """The experts' MXFP4 weights as the kernels stream them (``prepare_weights``).
 
-    ``layout`` "nk": the stock layout, output rows outermost (w13 [E, 2I, L/2], w13_scales
-    [E, 2I, L/32], w2 [E, L, I/2], w2_scales [E, L, I/32]); "kn": the same bytes with the
-    last two dims swapped (w13 [E, L/2, 2I], w13_scales [E, L/32, 2I], ...), so a tile's
-    output columns are contiguous. Packing stays along the reduction dim (low nibble
-    first) in both. The kernels read either through strides."""
+    Each tensor holds the bytes of its stock counterpart, w13 [E, 2I, L/2] (gate rows
+    then up rows), w13_scales [E, 2I, L/32], w2 [E, L, I/2], w2_scales [E, L, I/32]
+    (codes two a byte along the reduction dim, low nibble first), in the order
+    ``layout`` names:
+
+    - "nk": the stock order, row-major.
+    - "wgmma": each expert matrix cut into tiles of ``row_block`` rows by one reduction
+      step (``block_k_up`` elements of a W13 row, ``block_k_down`` of a W2 row), each
+      tile contiguous, the tiles of a row block in step order; within a tile the code
+      bytes of each row in lane order (``lane_order``). A program streaming a row block
+      then reads one contiguous run of memory, where row-major order would have it
+      read a short piece of every row (one DRAM page each).
+
+    The reduction steps are fixed here, at build, because they fix the order of every
+    FP32 sum (see the module docstring)."""
 
     w13: torch.Tensor
     w13_scales: torch.Tensor
@@ -106,28 +147,87 @@ class ExpertWeights:
     num_experts: int
     latent: int
     inter: int
+    block_k_up: int
+    block_k_down: int
+    row_block: int
 
     @property
     def device(self) -> torch.device:
         return self.w13.device
 
-    def strides(self, name: str) -> tuple[int, int, int]:
-        """(expert, output row n, reduction k) strides of tensor ``name``, in elements
-        (packed bytes for the codes): the same kernel reads every layout."""
-        t = getattr(self, name)
+    def stock(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stock tensors (w13, w13_scales, w2, w2_scales) these bytes came from."""
         if self.layout == "nk":
-            return t.stride(0), t.stride(1), t.stride(2)
-        return t.stride(0), t.stride(2), t.stride(1)
+            return self.w13, self.w13_scales, self.w2, self.w2_scales
+        return (untile(lane_order(self.w13, self.block_k_up, inverse=True), self.row_block,
+                       self.block_k_up // 2),
+                untile(self.w13_scales, self.row_block, self.block_k_up // MX_BLOCK),
+                untile(lane_order(self.w2, self.block_k_down, inverse=True), self.row_block,
+                       self.block_k_down // 2),
+                untile(self.w2_scales, self.row_block, self.block_k_down // MX_BLOCK))
+
+
+def lane_order(codes: torch.Tensor, block_k: int, inverse: bool = False) -> torch.Tensor:
+    """Packed E2M1 codes [..., K/2] with the bytes of each block of ``block_k`` elements
+    reordered so that byte j = 4*i + q of the block goes to position q*(block_k/8) + i
+    (``inverse``: back).
+
+    Why: Hopper's tensor cores take the weights as the left operand straight from
+    registers (after ``dot_scaled`` upcasts them), and that operand gives the four
+    threads of a row group the bytes j = q, q + 4, q + 8, ... of each block: thread q's
+    bytes are every fourth. Stored q-major, they are one contiguous vector a thread, so
+    a tile arrives with wide loads and no shuffle through shared memory."""
+    steps = block_k // 8
+    split = (steps, 4) if not inverse else (4, steps)
+    blocks = codes.reshape(*codes.shape[:-1], -1, *split)
+    return blocks.transpose(-1, -2).contiguous().reshape(codes.shape)
+
+
+def tile(t: torch.Tensor, row_block: int, step: int) -> torch.Tensor:
+    """[E, R, C] bytes in tiles of ``row_block`` rows by ``step`` columns, each tile
+    contiguous, the tiles of a row block in column order (same shape, same bytes)."""
+    E, R, C = t.shape
+    tiles = t.reshape(E, R // row_block, row_block, C // step, step).transpose(2, 3)
+    return tiles.contiguous().reshape(E, R, C)
+
+
+def untile(t: torch.Tensor, row_block: int, step: int) -> torch.Tensor:
+    """The inverse of ``tile``."""
+    E, R, C = t.shape
+    tiles = t.reshape(E, R // row_block, C // step, row_block, step).transpose(2, 3)
+    return tiles.contiguous().reshape(E, R, C)
+
+
+def default_layout(device) -> str:
+    """"wgmma" where the weights enter the tensor cores from registers (Hopper, and the
+    interpreter, so that CPU tests run the layout the H200 runs); "nk" on other GPUs,
+    whose MX tensor cores (Blackwell) read both operands from shared memory (there the
+    tiled order would likely pay too, but it was not measured)."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
+        return "nk"
+    return "wgmma"
+
+
+def _check_scales_finite(name: str, scales: torch.Tensor) -> None:
+    # The kernels skip dot_scaled's NaN-scale test (fast_math); a weight block of NaN or
+    # Inf would then read as Inf, not NaN. Such a checkpoint is corrupt: refuse it.
+    if bool((scales == mx.SCALE_NAN).any()):
+        raise ValueError(f"{name} holds the NaN scale 0xFF (a block of non-finite weights); "
+                         f"refusing weights that cannot be multiplied exactly")
 
 
 def prepare_weights(w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tensor,
-                    w2_scales: torch.Tensor, layout: str = "nk") -> ExpertWeights:
-    """The stock MXFP4 experts (see ``reference.expert_rows``) in the layout the kernels
-    stream (a one-time conversion at module build). ``layout`` is "nk" (the stock bytes,
-    read as transposed tiles) or "kn" (output columns contiguous); a Hopper-specific
-    swizzle would be one more layout here plus its stride/offset mapping in the kernels."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+                    w2_scales: torch.Tensor, layout: str | None = None, *,
+                    block_k_up: int | None = None,
+                    block_k_down: int | None = None) -> ExpertWeights:
+    """The stock MXFP4 experts (see ``reference.expert_rows``) as the kernels stream them:
+    a one-time conversion at module build, no change of any value.
+
+    ``layout``: "wgmma" or "nk" (``ExpertWeights``; default ``default_layout``).
+    ``block_k_up``/``block_k_down``: the reduction steps along L and along I (powers of
+    two >= 32 dividing them; default ``reduction_block``). Weights holding the NaN scale
+    byte are refused (ValueError)."""
     check_tensor("w13", w13, torch.uint8, (None, None, None), contiguous=False)
     E, two_i, half_l = w13.shape
     if two_i % 2:
@@ -142,30 +242,53 @@ def prepare_weights(w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tenso
     check_tensor("w2", w2, torch.uint8, (E, latent, inter // 2), device, contiguous=False)
     check_tensor("w2_scales", w2_scales, torch.uint8, (E, latent, inter // MX_BLOCK),
                  device, contiguous=False)
-    tensors = (w13, w13_scales, w2, w2_scales)
-    if layout == "nk":
-        tensors = tuple(t.contiguous() for t in tensors)
-    else:
-        tensors = tuple(t.transpose(1, 2).contiguous() for t in tensors)
-    return ExpertWeights(*tensors, layout=layout, num_experts=E, latent=latent, inter=inter)
+    layout = default_layout(device) if layout is None else layout
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    bk_up = _check_block_k("block_k_up", block_k_up or reduction_block(latent, BLOCK_K_UP),
+                           latent, "L")
+    bk_down = _check_block_k("block_k_down", block_k_down or
+                             reduction_block(inter, BLOCK_K_DOWN), inter, "I")
+    _check_scales_finite("w13_scales", w13_scales)
+    _check_scales_finite("w2_scales", w2_scales)
+    w13, w13_scales, w2, w2_scales = (t.contiguous() for t in (w13, w13_scales, w2, w2_scales))
+    row_block = 1
+    if layout == "wgmma":
+        row_block = ROW_BLOCK if latent % ROW_BLOCK == 0 else MX_BLOCK  # divides L and 2I
+        w13 = tile(lane_order(w13, bk_up), row_block, bk_up // 2)
+        w13_scales = tile(w13_scales, row_block, bk_up // MX_BLOCK)
+        w2 = tile(lane_order(w2, bk_down), row_block, bk_down // 2)
+        w2_scales = tile(w2_scales, row_block, bk_down // MX_BLOCK)
+    return ExpertWeights(w13, w13_scales, w2, w2_scales, layout=layout, num_experts=E,
+                         latent=latent, inter=inter, block_k_up=bk_up, block_k_down=bk_down,
+                         row_block=row_block)
 
 
 # --------------------------------------------------------------------------- workspace
 
 class Workspace(NamedTuple):
-    """The MXFP8 hidden between the two launches: ``h_codes`` uint8 [P, I] (E4M3) and
-    ``h_scales`` uint8 [P, I/32] (E8M0), row p = pair t*K + k; P >= b*K."""
+    """Buffers between the stages of the experts, row p = pair t*K + k, row t = token.
+
+    ``h_codes`` uint8 [P, I] and ``h_scales`` uint8 [P, I/32]: the MXFP8 hidden (E4M3,
+    E8M0), the layer's rounding point; ``h_values`` bf16 [P, I]: the same values in BF16
+    (exact), written for a down launch that takes BF16 activations; ``q_values`` bf16
+    [R, L]: the plan's values in BF16, for an up launch that does."""
 
     h_codes: torch.Tensor
     h_scales: torch.Tensor
+    h_values: torch.Tensor
+    q_values: torch.Tensor
 
 
-def make_workspace(num_pairs: int, inter: int, device) -> Workspace:
-    """An uninitialized workspace for up to ``num_pairs`` pairs (e.g. wide_rows * K, so
-    that one allocation serves every batch width, CUDA graphs included)."""
-    return Workspace(torch.empty(num_pairs, inter, dtype=torch.uint8, device=device),
-                     torch.empty(num_pairs, inter // MX_BLOCK, dtype=torch.uint8,
-                                 device=device))
+def make_workspace(rows: int, top_k: int, latent: int, inter: int, device) -> Workspace:
+    """An uninitialized workspace for batches of up to ``rows`` tokens (e.g. wide_rows,
+    so that one allocation serves every batch width, CUDA graphs included)."""
+    pairs = rows * top_k
+    empty = lambda *shape, dtype: torch.empty(*shape, dtype=dtype, device=device)  # noqa: E731
+    return Workspace(empty(pairs, inter, dtype=torch.uint8),
+                     empty(pairs, inter // MX_BLOCK, dtype=torch.uint8),
+                     empty(pairs, inter, dtype=torch.bfloat16),
+                     empty(rows, latent, dtype=torch.bfloat16))
 
 
 # ------------------------------------------------------------------------ routing lists
@@ -220,8 +343,62 @@ def _load_pairs(list_ptr, m0, count, BLOCK_M: tl.constexpr):
     return pair.to(tl.int64), ok
 
 
+# ----------------------------------------------------------------------------- kernels
+
 @triton.jit
-def _load_act(codes_ptr, scales_ptr, row, k0, cols, BLOCK_K: tl.constexpr):
+def _row_chunks(rows, k0, ROW_BYTES: tl.constexpr, STEP_BYTES: tl.constexpr,
+                ROW_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Byte offset, in an expert's matrix, of each row's chunk for reduction step k0
+    (STEP_BYTES a row a step, ROW_BYTES a row in all), in the tiled order of
+    ``ExpertWeights``: tiles of ROW_BLOCK rows by one step, contiguous, those of a row
+    block in step order. ROW_BLOCK 1 is the stock row-major order."""
+    return ((rows // ROW_BLOCK) * (ROW_BLOCK * ROW_BYTES)
+            + (k0 // BLOCK_K) * (ROW_BLOCK * STEP_BYTES) + (rows % ROW_BLOCK) * STEP_BYTES)
+
+
+@triton.jit
+def _weight_codes(w_ptr, rows, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr):
+    """Packed E2M1 codes uint8 [BLOCK_N, BLOCK_K/2] of weight ``rows`` (all inside the
+    matrix, see ``_clamped``) of a [*, K] expert matrix, reduction k0 .. k0+BLOCK_K-1, in
+    logical byte order.
+
+    Byte j of a row's chunk is read as (lane group q = j % 4, step i = j // 4), the split
+    in which the tensor cores' register operand takes it (``lane_order``): with
+    WGMMA_ORDER the chunk is stored q-major, so each q's bytes are one contiguous
+    vector; in the stock order they are strided. The permute back to j order renames
+    registers, it moves no data, when the layouts agree."""
+    STEPS: tl.constexpr = BLOCK_K // 8
+    q = tl.arange(0, 4)[None, :, None]
+    i = tl.arange(0, STEPS)[None, None, :]
+    if WGMMA_ORDER:
+        offset = q * STEPS + i
+    else:
+        offset = i * 4 + q
+    chunk = _row_chunks(rows, k0, K // 2, BLOCK_K // 2, ROW_BLOCK, BLOCK_K)
+    codes = tl.load(w_ptr + chunk[:, None, None] + offset)
+    return tl.reshape(tl.permute(codes, (0, 2, 1)), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
+def _weight_scales(s_ptr, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ROW_BLOCK: tl.constexpr):
+    """E8M0 scale bytes uint8 [BLOCK_N, BLOCK_K/32] of weight ``rows`` of a [*, K]
+    expert matrix, reduction k0 .. k0+BLOCK_K-1 (tiled like the codes)."""
+    chunk = _row_chunks(rows, k0, K // 32, BLOCK_K // 32, ROW_BLOCK, BLOCK_K)
+    return tl.load(s_ptr + chunk[:, None] + tl.arange(0, BLOCK_K // 32)[None, :])
+
+
+@triton.jit
+def _clamped(n, count):
+    """Row indices ``n`` with those past ``count`` rows replaced by the last row: their
+    results are never stored, and unmasked loads are the ones the compiler can issue
+    asynchronously, several iterations ahead (a masked load with a fill value is not)."""
+    return tl.minimum(n, count - 1)
+
+
+@triton.jit
+def _activations(codes_ptr, scales_ptr, row, k0, cols, BLOCK_K: tl.constexpr):
     """MXFP8 activation tile of rows ``row`` (int64 [M]), columns k0 .. k0+BLOCK_K-1 of a
     [*, cols] plan: (E4M3 codes uint8 [M, BLOCK_K], scale bytes uint8 [M, BLOCK_K/32])."""
     k = k0 + tl.arange(0, BLOCK_K)
@@ -232,18 +409,26 @@ def _load_act(codes_ptr, scales_ptr, row, k0, cols, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _load_weight(w_ptr, stride_n, stride_k, s_ptr, s_stride_n, s_stride_k, n, n_ok, k0,
-                 BLOCK_K: tl.constexpr):
-    """MXFP4 weight tile of output rows ``n`` [N] (``n_ok`` masks rows past the matrix),
-    reduction k0 .. k0+BLOCK_K-1, as dot_scaled's rhs: (packed codes uint8 [BLOCK_K/2, N],
-    scale bytes uint8 [N, BLOCK_K/32]). Masked rows read code 0 with scale 1: zeros."""
-    k2 = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    codes = tl.load(w_ptr + n[None, :] * stride_n + k2[:, None] * stride_k,
-                    mask=n_ok[None, :], other=0)
-    ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    scales = tl.load(s_ptr + n[:, None] * s_stride_n + ks[None, :] * s_stride_k,
-                     mask=n_ok[:, None], other=127)
-    return codes, scales
+def _bf16_activations(values_ptr, row, k0, cols, BLOCK_K: tl.constexpr):
+    """BF16 activation tile of rows ``row`` (int64 [M]) of a [*, cols] BF16 matrix,
+    columns k0 .. k0+BLOCK_K-1, loaded transposed ([BLOCK_K, M]): as the tensor cores'
+    shared-memory operand, which the compiler then fills asynchronously (a transpose
+    after the load would keep it from doing so)."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(values_ptr + row[None, :] * cols + k[:, None])
+
+
+@triton.jit
+def _activation_tile(codes_ptr, scales_ptr, values_ptr, row, k0, cols,
+                     A_BF16: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The activations of rows ``row`` for reduction step k0 as ``_mx_dot`` takes them:
+    (E4M3 codes, scales) or, with A_BF16, (BF16 values transposed, a placeholder)."""
+    if A_BF16:
+        a = _bf16_activations(values_ptr, row, k0, cols, BLOCK_K)
+        a_s = tl.zeros((1, 1), tl.uint8)  # BF16 activations carry no scales
+    else:
+        a, a_s = _activations(codes_ptr, scales_ptr, row, k0, cols, BLOCK_K)
+    return a, a_s
 
 
 @triton.jit
@@ -272,13 +457,19 @@ def _e4m3_to_bf16(codes, scales, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _mx_dot(acc, a_codes, a_scales, b_codes, b_scales, A_BF16: tl.constexpr):
-    """acc + A @ B in FP32: A MXFP8 (E4M3 codes + scales, or their BF16 values when
-    A_BF16), B MXFP4 packed along K."""
+def _mx_dot(acc, w, w_scales, a, a_scales, A_BF16: tl.constexpr):
+    """acc + W @ A.T in FP32: W MXFP4 [N, K] (packed along K) on the left, so that the
+    weights fill the tensor cores' 64-row side and the few tokens their narrow side; A
+    MXFP8 [M, K] (E4M3 codes + scales [M, K/32]) or, when A_BF16, its BF16 values
+    already transposed ([K, M], ``_bf16_activations``).
+
+    fast_math skips the NaN test of the scales: ``prepare_weights`` refuses weights with
+    the NaN scale, and a NaN-coded activation block (codes 0x7F) is NaN without it."""
     if A_BF16:
-        return tl.dot_scaled(a_codes, None, "bf16", b_codes, b_scales, "e2m1", acc)
+        return tl.dot_scaled(w, w_scales, "e2m1", a, None, "bf16", acc, fast_math=True)
     else:
-        return tl.dot_scaled(a_codes, a_scales, "e4m3", b_codes, b_scales, "e2m1", acc)
+        return tl.dot_scaled(w, w_scales, "e2m1", tl.trans(a), a_scales, "e4m3", acc,
+                             fast_math=True)
 
 
 @triton.jit
@@ -313,79 +504,105 @@ def _situ(g, u, beta, linear_beta, HAS_LINEAR_BETA: tl.constexpr):
     return beta * _tanh(tl.math.div_rn(g, beta)) * sig * u
 
 
-# ----------------------------------------------------------------------------- kernels
-
 @triton.jit
 def _experts_up_kernel(
-        q_ptr, qs_ptr, counts_ptr, pairs_ptr, generation_ptr,
-        w_ptr, w_se, w_sn, w_sk, ws_ptr, ws_se, ws_sn, ws_sk,
-        h_ptr, hs_ptr, num_experts, wide_rows, beta, linear_beta,
+        q_ptr, qs_ptr, qv_ptr, counts_ptr, pairs_ptr, generation_ptr,
+        w_ptr, ws_ptr, h_ptr, hs_ptr, hv_ptr, num_experts, wide_rows, beta, linear_beta,
         LATENT: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
-        HAS_LINEAR_BETA: tl.constexpr, A_BF16: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        HAS_LINEAR_BETA: tl.constexpr, A_BF16: tl.constexpr, STORE_VALUES: tl.constexpr,
+        ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr):
     """Program (e, j): hidden columns j*BLOCK_N .. of every pair listed for expert e,
-    h = mxfp8(situ(q W13_gate^T, q W13_up^T)), stored at the pair's workspace row."""
+    h = mxfp8(situ(W13_gate q, W13_up q)), stored at the pair's workspace row (and its
+    exact BF16 values too, when STORE_VALUES). A_BF16: the activations are the plan's
+    BF16 values (``q_values``) rather than its codes and scales."""
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
+    n_in = _clamped(n, INTER)
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
                                       num_experts, wide_rows)
-    gate_ptr = w_ptr + e.to(tl.int64) * w_se
-    gate_s_ptr = ws_ptr + e.to(tl.int64) * ws_se
-    up_ptr = gate_ptr + INTER * w_sn  # up rows follow the I gate rows
-    up_s_ptr = gate_s_ptr + INTER * ws_sn
+    w_e = w_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 2)
+    ws_e = ws_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 32)
+    up_in = n_in + INTER  # the up rows follow the I gate rows
     sc = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
     # An expert with no pairs runs zero iterations: its weights are never read.
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
         token = pair // TOP_K
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, LATENT, BLOCK_K):
-            a, a_s = _load_act(q_ptr, qs_ptr, token, k0, LATENT, BLOCK_K)
-            if A_BF16:
-                a = _e4m3_to_bf16(a, a_s, BLOCK_M, BLOCK_K)
-            bg, bg_s = _load_weight(gate_ptr, w_sn, w_sk, gate_s_ptr, ws_sn, ws_sk,
-                                    n, n_ok, k0, BLOCK_K)
-            bu, bu_s = _load_weight(up_ptr, w_sn, w_sk, up_s_ptr, ws_sn, ws_sk,
-                                    n, n_ok, k0, BLOCK_K)
-            acc_g = _mx_dot(acc_g, a, a_s, bg, bg_s, A_BF16)
-            acc_u = _mx_dot(acc_u, a, a_s, bu, bu_s, A_BF16)
-        h = _situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        a, a_s = _activation_tile(q_ptr, qs_ptr, qv_ptr, token, 0, LATENT, A_BF16, BLOCK_K)
+        for k0 in tl.range(0, LATENT, BLOCK_K, num_stages=NUM_STAGES):
+            # The next step's activations, a step ahead by hand: the compiler pipelines
+            # the weights but not these gathered tiles. The last step reloads step 0.
+            a_next, a_s_next = _activation_tile(q_ptr, qs_ptr, qv_ptr, token,
+                                                (k0 + BLOCK_K) % LATENT, LATENT, A_BF16,
+                                                BLOCK_K)
+            wg = _weight_codes(w_e, n_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
+            wg_s = _weight_scales(ws_e, n_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
+            wu = _weight_codes(w_e, up_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
+            wu_s = _weight_scales(ws_e, up_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
+            acc_g = _mx_dot(acc_g, wg, wg_s, a, a_s, A_BF16)
+            acc_u = _mx_dot(acc_u, wu, wu_s, a, a_s, A_BF16)
+            a, a_s = a_next, a_s_next
+        h = tl.trans(_situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
         codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
         tl.store(h_ptr + pair[:, None] * INTER + n[None, :], codes,
                  mask=m_ok[:, None] & n_ok[None, :])
         tl.store(hs_ptr + pair[:, None] * (INTER // 32) + sc[None, :], scales,
                  mask=m_ok[:, None] & (sc[None, :] < INTER // 32))
+        if STORE_VALUES:
+            tl.store(hv_ptr + pair[:, None] * INTER + n[None, :],
+                     _e4m3_to_bf16(codes, scales, BLOCK_M, BLOCK_N),
+                     mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
 def _experts_down_kernel(
-        h_ptr, hs_ptr, counts_ptr, pairs_ptr, generation_ptr,
-        w_ptr, w_se, w_sn, w_sk, ws_ptr, ws_se, ws_sn, ws_sk,
-        rows_ptr, num_experts, wide_rows,
+        h_ptr, hs_ptr, hv_ptr, counts_ptr, pairs_ptr, generation_ptr,
+        w_ptr, ws_ptr, rows_ptr, num_experts, wide_rows,
         LATENT: tl.constexpr, INTER: tl.constexpr, A_BF16: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        NUM_STAGES: tl.constexpr):
     """Program (e, j): latent columns j*BLOCK_N .. of every pair listed for expert e,
-    rows[p] = bf16(h[p] W2_e^T), from the MXFP8 hidden in the workspace."""
+    rows[p] = bf16(W2_e h[p]), from the MXFP8 hidden in the workspace (its BF16 values
+    when A_BF16)."""
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < LATENT
+    n_in = _clamped(n, LATENT)
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
                                       num_experts, wide_rows)
-    w_e = w_ptr + e.to(tl.int64) * w_se
-    ws_e = ws_ptr + e.to(tl.int64) * ws_se
+    w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // 2)
+    ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            a, a_s = _load_act(h_ptr, hs_ptr, pair, k0, INTER, BLOCK_K)
-            if A_BF16:
-                a = _e4m3_to_bf16(a, a_s, BLOCK_M, BLOCK_K)
-            b, b_s = _load_weight(w_e, w_sn, w_sk, ws_e, ws_sn, ws_sk, n, n_ok, k0, BLOCK_K)
-            acc = _mx_dot(acc, a, a_s, b, b_s, A_BF16)
-        tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :], f32_to_bf16_bits(acc),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        a, a_s = _activation_tile(h_ptr, hs_ptr, hv_ptr, pair, 0, INTER, A_BF16, BLOCK_K)
+        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
+            # A step ahead by hand, as in the up kernel.
+            a_next, a_s_next = _activation_tile(h_ptr, hs_ptr, hv_ptr, pair,
+                                                (k0 + BLOCK_K) % INTER, INTER, A_BF16, BLOCK_K)
+            w = _weight_codes(w_e, n_in, k0, INTER, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
+            w_s = _weight_scales(ws_e, n_in, k0, INTER, BLOCK_K, ROW_BLOCK)
+            acc = _mx_dot(acc, w, w_s, a, a_s, A_BF16)
+            a, a_s = a_next, a_s_next
+        tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
+                 f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _plan_values_kernel(q_ptr, qs_ptr, out_ptr, COLS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (t, j): the exact BF16 values of plan row t, columns j*BLOCK .."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    codes = tl.load(q_ptr + t * COLS + c)[None, :]
+    sc = tl.program_id(1) * (BLOCK // 32) + tl.arange(0, BLOCK // 32)
+    scales = tl.load(qs_ptr + t * (COLS // 32) + sc)[None, :]
+    tl.store(out_ptr + t * COLS + c[None, :], _e4m3_to_bf16(codes, scales, 1, BLOCK))
 
 
 # ----------------------------------------------------------------------------- wrapper
@@ -396,17 +613,20 @@ def _check_config(name: str, config: dict) -> dict:
                         f"{type(config).__name__}")
     if "BLOCK_K" in config:
         raise ValueError(f"{name} must not set BLOCK_K: the reduction step is fixed per "
-                         f"shape (pass block_k_up / block_k_down), so that results never "
-                         f"depend on the batch-width bucket")
+                         f"shape, by prepare_weights, so that results never depend on the "
+                         f"batch-width bucket")
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ValueError(f"{name} lacks {missing}")
     m, n = config["BLOCK_M"], config["BLOCK_N"]
     if m < 16 or m & (m - 1):
         raise ValueError(f"{name}['BLOCK_M'] must be a power of two >= 16, got {m}")
-    if n < 32 or n & (n - 1):
-        raise ValueError(f"{name}['BLOCK_N'] must be a power of two >= 32 (whole MX "
-                         f"blocks), got {n}")
+    if n < ROW_BLOCK or n & (n - 1):
+        raise ValueError(f"{name}['BLOCK_N'] must be a power of two >= {ROW_BLOCK} (whole "
+                         f"weight tiles), got {n}")
+    if config["maxnreg"] not in (0, *range(24, 256, 8)):
+        raise ValueError(f"{name}['maxnreg'] must be 0 (no cap) or a multiple of 8 in "
+                         f"[24, 248], got {config['maxnreg']}")
     if config["A_BF16"] not in (0, 1):
         raise ValueError(f"{name}['A_BF16'] must be 0 or 1, got {config['A_BF16']}")
     return config
@@ -419,12 +639,50 @@ def _check_block_k(name: str, block_k: int, dim: int, dim_name: str) -> int:
     return block_k
 
 
+def _check_workspace(workspace, b: int, top_k: int, latent: int, inter: int,
+                     device) -> Workspace:
+    if not isinstance(workspace, Workspace):
+        raise TypeError(f"workspace must be a Workspace (from make_workspace), got "
+                        f"{type(workspace).__name__}")
+    check_tensor("workspace.h_codes", workspace.h_codes, torch.uint8, (None, inter), device)
+    pairs = workspace.h_codes.shape[0]
+    check_tensor("workspace.h_scales", workspace.h_scales, torch.uint8,
+                 (pairs, inter // MX_BLOCK), device)
+    check_tensor("workspace.h_values", workspace.h_values, torch.bfloat16, (pairs, inter),
+                 device)
+    check_tensor("workspace.q_values", workspace.q_values, torch.bfloat16, (None, latent),
+                 device)
+    if pairs < b * top_k:
+        raise ValueError(f"workspace.h_codes must have >= b*K = {b * top_k} rows, got {pairs}")
+    if workspace.q_values.shape[0] < b:
+        raise ValueError(f"workspace.q_values must have >= b = {b} rows, got "
+                         f"{workspace.q_values.shape[0]}")
+    return workspace
+
+
+def _launch_options(config: dict) -> dict:
+    """Compiler options of a config: warps, pipeline depth, and a register cap (maxnreg,
+    0 = the compiler's choice), which trades registers for resident warps: the weight
+    upcast is a long chain of dependent integer ops whose latency only other warps hide."""
+    options = dict(num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if config.get("maxnreg"):
+        options["maxnreg"] = config["maxnreg"]
+    return options
+
+
+def _plan_values(q: torch.Tensor, q_scales: torch.Tensor, out: torch.Tensor) -> None:
+    """out[:b] = the exact BF16 values of the MXFP8 plan (for BF16 activations)."""
+    b, cols = q.shape
+    block = reduction_block(cols, 512)
+    _plan_values_kernel[(b, cols // block)](q, q_scales, out, COLS=cols, BLOCK=block,
+                                            num_warps=4)
+
+
 def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
             counts: torch.Tensor, pairs: torch.Tensor, generation: torch.Tensor,
             top_k: int, beta: float, linear_beta: float | None, *,
             rows: torch.Tensor | None = None, workspace: Workspace | None = None,
-            config_up: dict | None = None, config_down: dict | None = None,
-            block_k_up: int | None = None, block_k_down: int | None = None) -> torch.Tensor:
+            config_up: dict | None = None, config_down: dict | None = None) -> torch.Tensor:
     """``rows[t*K + k] = bf16(W2_e . mxfp8(situ(W13_e . q[t])))`` for every pair listed
     in this call's parity of the routing lists; BF16 [b*K, L].
 
@@ -435,11 +693,11 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
     exactly once, as the route kernel guarantees: rows of unlisted pairs are not written).
     beta/linear_beta: SiTU's parameters (linear_beta None: u' = u).
 
-    rows: the output buffer (BF16 [b*K, L]), allocated if None. workspace: the MXFP8
-    hidden (``make_workspace``, >= b*K rows), allocated if None; pass both for CUDA
-    graphs. config_up/config_down: launch configs (``CONFIG_KEYS``), else the tuned ones
-    for batch width b. block_k_up/block_k_down: reduction steps along L and I (fixed per
-    shape; default ``reduction_block``)."""
+    rows: the output buffer (BF16 [b*K, L]), allocated if None. workspace: the buffers
+    between the stages (``make_workspace`` for >= b tokens), allocated if None; pass both
+    for CUDA graphs. config_up/config_down: launch configs (``CONFIG_KEYS``), else the
+    tuned ones for batch width b. The reduction steps are the weights'
+    (``prepare_weights``)."""
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be an ExpertWeights (from prepare_weights), got "
                         f"{type(weights).__name__}")
@@ -461,40 +719,31 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         rows = torch.empty(num_pairs, L, dtype=torch.bfloat16, device=device)
     check_tensor("rows", rows, torch.bfloat16, (num_pairs, L), device)
     if workspace is None:
-        workspace = make_workspace(num_pairs, inter, device)
-    if not isinstance(workspace, tuple) or len(workspace) != 2:
-        raise TypeError("workspace must be a Workspace (h_codes, h_scales)")
-    check_tensor("workspace.h_codes", workspace[0], torch.uint8, (None, inter), device)
-    check_tensor("workspace.h_scales", workspace[1], torch.uint8,
-                 (workspace[0].shape[0], inter // MX_BLOCK), device)
-    if workspace[0].shape[0] < num_pairs:
-        raise ValueError(f"workspace.h_codes must have >= b*K = {num_pairs} rows, got "
-                         f"{workspace[0].shape[0]}")
+        workspace = make_workspace(b, top_k, L, inter, device)
+    ws = _check_workspace(workspace, b, top_k, L, inter, device)
     key = shape_key(L, inter, E)
     cfg_up = _check_config("config_up", config_up if config_up is not None else
                            config_for(KERNEL_UP, key, b, DEFAULT_UP, device))
     cfg_down = _check_config("config_down", config_down if config_down is not None else
                              config_for(KERNEL_DOWN, key, b, DEFAULT_DOWN, device))
-    bk_up = _check_block_k("block_k_up", block_k_up or reduction_block(L, BLOCK_K_UP), L, "L")
-    bk_down = _check_block_k("block_k_down", block_k_down or
-                             reduction_block(inter, BLOCK_K_DOWN), inter, "I")
     if num_pairs == 0:
         return rows
-    h_codes, h_scales = workspace
+    if cfg_up["A_BF16"]:
+        _plan_values(q, q_scales, ws.q_values)
+    tiles = dict(ROW_BLOCK=weights.row_block, WGMMA_ORDER=weights.layout == "wgmma")
     _experts_up_kernel[(E, triton.cdiv(inter, cfg_up["BLOCK_N"]))](
-        q, q_scales, counts, pairs, generation,
-        weights.w13, *weights.strides("w13"), weights.w13_scales,
-        *weights.strides("w13_scales"),
-        h_codes, h_scales, E, wide_rows, float(beta),
+        q, q_scales, ws.q_values, counts, pairs, generation, weights.w13, weights.w13_scales,
+        ws.h_codes, ws.h_scales, ws.h_values, E, wide_rows, float(beta),
         float(linear_beta) if linear_beta is not None else 1.0,
         LATENT=L, INTER=inter, TOP_K=top_k, HAS_LINEAR_BETA=linear_beta is not None,
-        A_BF16=cfg_up["A_BF16"], BLOCK_M=cfg_up["BLOCK_M"], BLOCK_N=cfg_up["BLOCK_N"],
-        BLOCK_K=bk_up, num_warps=cfg_up["num_warps"], num_stages=cfg_up["num_stages"])
+        A_BF16=cfg_up["A_BF16"], STORE_VALUES=cfg_down["A_BF16"], **tiles,
+        BLOCK_M=cfg_up["BLOCK_M"], BLOCK_N=cfg_up["BLOCK_N"], BLOCK_K=weights.block_k_up,
+        NUM_STAGES=cfg_up["num_stages"], **_launch_options(cfg_up))
     _experts_down_kernel[(E, triton.cdiv(L, cfg_down["BLOCK_N"]))](
-        h_codes, h_scales, counts, pairs, generation,
-        weights.w2, *weights.strides("w2"), weights.w2_scales, *weights.strides("w2_scales"),
-        rows.view(torch.int16), E, wide_rows,
-        LATENT=L, INTER=inter, A_BF16=cfg_down["A_BF16"], BLOCK_M=cfg_down["BLOCK_M"],
-        BLOCK_N=cfg_down["BLOCK_N"], BLOCK_K=bk_down, num_warps=cfg_down["num_warps"],
-        num_stages=cfg_down["num_stages"])
+        ws.h_codes, ws.h_scales, ws.h_values, counts, pairs, generation, weights.w2,
+        weights.w2_scales, rows.view(torch.int16), E, wide_rows,
+        LATENT=L, INTER=inter, A_BF16=cfg_down["A_BF16"], **tiles,
+        BLOCK_M=cfg_down["BLOCK_M"], BLOCK_N=cfg_down["BLOCK_N"],
+        BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"],
+        **_launch_options(cfg_down))
     return rows
