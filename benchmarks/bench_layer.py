@@ -2,7 +2,12 @@
 bandwidth floor, in one run on one GPU (DESIGN.md, benchmarks/NOTES.md).
 
     python benchmarks/bench_layer.py [--batches 65 128 256 512 1024] [--shapes tp8 tp16 tp1]
-                                     [--out DIR] [--quick]
+                                     [--out DIR] [--no-peers] [--experts-only]
+
+Peers of the experts stage at the TP shapes: ``torch._grouped_mm`` (BF16) and, when
+``triton_kernels`` is importable (``PYTHONPATH=.peers``, see benchmarks/peers.py and
+NOTES.md), Triton's MXFP4 ``matmul_ogs``. ``--experts-only`` times the experts rows alone
+(ours and the peers), skipping the other stages and the whole layer.
 
 Every timing is ``triton.testing.do_bench``'s median (or a CUDA graph's replays, for
 the whole layer); the floor of a stage is the bytes it must move over the copy bandwidth
@@ -35,6 +40,8 @@ from wide_moe_triton.kernels import mailbox as mailbox_k  # noqa: E402
 from wide_moe_triton.kernels import plan as plan_k  # noqa: E402
 from wide_moe_triton.kernels import route as route_k  # noqa: E402
 from wide_moe_triton.sharding import shard  # noqa: E402
+
+import peers  # noqa: E402  (benchmarks/peers.py: the peers that need outside code)
 
 ROWS: list[dict] = []
 
@@ -107,8 +114,11 @@ def routed_ids(cfg, b, gen, device):
 
 # ------------------------------------------------------------------------- rank stages
 
-def stage_rank(stock, cfg_t, rank, batches, machine, label, peers=True):
-    """Stages of rank ``rank`` of T = cfg_t.tp at production dims, on this one GPU."""
+def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
+               experts_only=False):
+    """Stages of rank ``rank`` of T = cfg_t.tp at production dims, on this one GPU (with
+    ``experts_only``, the experts rows alone: the other stages still run, untimed, to
+    feed it)."""
     dev = torch.device("cuda")
     w = shard(stock, rank, cfg_t.tp)
     E, K, L, I = cfg_t.num_experts, cfg_t.top_k, cfg_t.latent, cfg_t.intermediate_per_rank
@@ -120,6 +130,7 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, peers=True):
     gen = torch.Generator(device=dev).manual_seed(1234)
     lists = route_k.RoutingLists.empty(E, cfg_t.wide_rows, dev)
     grouped_w = None
+    ogs = None  # the matmul_ogs peer, its weights converted once; False where it cannot run
     for b in batches:
         x = torch.randn(b, cfg_t.hidden, generator=gen, device=dev).bfloat16()
         # front GEMM vs torch.mm with FP32 out
@@ -128,13 +139,14 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, peers=True):
         ok = err < 1e-5
         nb = packed.numel() * 2 + x.numel() * 2 + out.numel() * 4
         it = iter(range(1 << 60))
-        if ok:
+        if ok and not experts_only:
             record(label, b, "front", "triton", bench(
                 lambda: front_k.front_gemm(x, copies[next(it) % len(copies)], out=out)),
                 nb, machine, check=f"{err:.1e}")
-        record(label, b, "front", "torch.mm", bench(
-            lambda: torch.mm(x, copies[next(it) % len(copies)].t(), out_dtype=torch.float32)),
-            nb, machine)
+        if not experts_only:
+            record(label, b, "front", "torch.mm", bench(
+                lambda: torch.mm(x, copies[next(it) % len(copies)].t(), out_dtype=torch.float32)),
+                nb, machine)
         # route + claims (plain logits) and plan (plain latent)
         logits, bias = routed_ids(cfg_t, b, gen, dev)
         ids, weights = route_k.route(logits, bias, K, True, cfg_t.routed_scaling_factor,
@@ -147,13 +159,13 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, peers=True):
         ok_plan = torch.equal(q, rq) and torch.equal(qs, rqs)
         nb_route = logits.numel() * 4 + ids.numel() * 6 + b * K * 4
         nb_plan = latent.numel() * 2 + q.numel() + qs.numel()
-        if ok and ok_plan:
+        if ok and ok_plan and not experts_only:
             def route_plan():
                 route_k.route(logits, bias, K, True, 1.0, lists=lists, ids=ids, weights=weights)
                 plan_k.quantize_mxfp8(latent, out=(q, qs))
             record(label, b, "route+claims+plan", "triton", bench(route_plan),
                    nb_route + nb_plan, machine, check="bitwise")
-        else:
+        elif not (ok and ok_plan):
             print(f"!! {label} b={b}: route ok={ok} plan ok={ok_plan}: not timed")
         # experts over the lists just claimed (generation 0 parity)
         lists.generation.zero_()
@@ -167,9 +179,9 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, peers=True):
                                          w.w2, w.w2_scales, cfg_t.beta, cfg_t.linear_beta)
         err = rel_err(rows[:check_b * K], ref_rows)
         touched = torch.unique(ids).numel()
-        nb = (touched * (w.w13[0].numel() + w.w13_scales[0].numel() + w.w2[0].numel()
-                         + w.w2_scales[0].numel())
-              + q.numel() + qs.numel() + rows.numel() * 2)
+        expert_bytes = touched * (w.w13[0].numel() + w.w13_scales[0].numel() + w.w2[0].numel()
+                                  + w.w2_scales[0].numel())
+        nb = expert_bytes + q.numel() + qs.numel() + rows.numel() * 2
         flops = 2 * b * K * (L * 2 * I + I * L)
         if err < 1e-2:
             record(label, b, "experts", "triton", bench(
@@ -178,7 +190,7 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, peers=True):
                                           rows=rows)), nb, machine, flops, f"{err:.1e}")
         else:
             print(f"!! {label} b={b}: experts rel err {err:.2e}: not timed")
-        if peers and hasattr(torch, "_grouped_mm"):
+        if with_peers and hasattr(torch, "_grouped_mm"):
             if grouped_w is None:
                 grouped_w = bf16_experts(w)
             t = grouped_peer(grouped_w, latent, ids, cfg_t)
@@ -186,6 +198,15 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, peers=True):
                 record(label, b, "experts", "torch._grouped_mm bf16", t,
                        touched * (2 * I * L + I * L) * 2 + latent.numel() * 2 + rows.numel() * 2,
                        machine, flops)
+        if with_peers and ogs is None:
+            ogs = matmul_ogs_peer(w) or False
+        if with_peers and ogs:
+            # Its own bytes: the same MXFP4 weights, BF16 latent in, the combined [b, L] out.
+            matmul_ogs_rows(ogs, w, latent, ids, weights, check_b, label, b, machine, flops,
+                            expert_bytes + latent.numel() * 2 * 2)
+        if experts_only:
+            print_rows(label, b)
+            continue
         # finalize
         fin = finalize_k.finalize(rows, weights)
         ok = torch.equal(fin, reference.finalize(rows, weights))
@@ -232,6 +253,40 @@ def grouped_peer(weights, latent, ids, cfg_t):
     except Exception as err:
         print(f"   torch._grouped_mm could not run: {type(err).__name__}: {str(err)[:120]}")
         return None
+
+
+def matmul_ogs_peer(w):
+    """triton_kernels' matmul_ogs over shard ``w`` (weights converted once, vLLM's Hopper
+    layout on an H200), or None where it cannot run (the reason printed)."""
+    try:
+        return peers.MatmulOgsExperts(w.w13, w.w13_scales, w.w2, w.w2_scales)
+    except peers.PeerUnavailable as err:
+        print(f"   {peers.MATMUL_OGS}: not run: {err}")
+    except Exception as err:  # a peer's failure must not stop our own rows
+        print(f"   {peers.MATMUL_OGS}: weight conversion failed: {type(err).__name__}: "
+              f"{str(err)[:300]}")
+    return None
+
+
+def matmul_ogs_rows(ogs, w, latent, ids, weights, check_b, label, b, machine, flops, nbytes):
+    """Checks the matmul_ogs peer on the first ``check_b`` tokens against float64 math
+    (peers.Check), then records it twice: as a user runs it per forward (routing from ids
+    and weights + up GEMM with fused SwiGLU + down GEMM with the gammas and the top-K
+    combine) and with its routing built beforehand (the GEMMs and the combine alone)."""
+    try:
+        chk = peers.check_matmul_ogs(ogs, latent, ids, weights, w.w13, w.w13_scales, w.w2,
+                                     w.w2_scales, check_b)
+    except Exception as err:  # a peer's failure must not stop our own rows
+        print(f"   {peers.MATMUL_OGS} could not run: {type(err).__name__}: {str(err)[:300]}")
+        return
+    if not chk.ok:
+        print(f"!! {label} b={b}: {peers.MATMUL_OGS} wrong ({chk}): not timed")
+        return
+    routing = ogs.route(ids, weights)
+    record(label, b, "experts", "matmul_ogs routing+swiglu+combine",
+           bench(lambda: ogs(latent, ids, weights)), nbytes, machine, flops, str(chk))
+    record(label, b, "experts", "matmul_ogs swiglu+combine",
+           bench(lambda: ogs.gemms(latent, routing)), nbytes, machine, flops, str(chk))
 
 
 # -------------------------------------------------------------------------- whole layer
@@ -297,7 +352,7 @@ def whole_layer(stock, batches, machine, label="tp1"):
 def print_rows(shape, b):
     for r in ROWS:
         if r["shape"] == shape and r["b"] == b:
-            print(f"   {r['shape']:>5} {r['b']:>5} {r['stage']:<18} {r['impl']:<24} "
+            print(f"   {r['shape']:>5} {r['b']:>5} {r['stage']:<18} {r['impl']:<34} "
                   f"{r['us']:>9.1f} us  floor {r['floor_us']:>8.1f} us  "
                   f"{r['of_copy_bw']:>6.1%} of copy BW  {r['check']}", flush=True)
 
@@ -364,19 +419,25 @@ def main(argv=None):
     p.add_argument("--shapes", nargs="+", default=["tp8", "tp16", "tp1"])
     p.add_argument("--layer-batches", type=int, nargs="+", default=[1, 65, 257, 1024])
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--experts-only", action="store_true",
+                   help="time only the experts rows (ours and the peers); no whole layer")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args(argv)
     machine = header()
+    if not args.no_peers:
+        for name, status in peers.availability().items():
+            print(f"# peer {name}: {status}")
     t0 = time.time()
     stock = LatentMoE(WideMoEConfig.kimi_k3(tp=1), seed=0, device="cuda")
     print(f"# stock layer built in {time.time() - t0:.0f} s")
     for label in args.shapes:
         tp = int(label[2:])
         try:
-            if tp == 1:
+            if tp == 1 and not args.experts_only:
                 whole_layer(stock, args.layer_batches, machine)
             stage_rank(stock, WideMoEConfig.kimi_k3(tp=tp), 0, args.batches, machine, label,
-                       peers=not args.no_peers and tp > 1)
+                       with_peers=not args.no_peers and tp > 1,
+                       experts_only=args.experts_only)
         except Exception:
             traceback.print_exc()
         torch.cuda.empty_cache()
