@@ -171,8 +171,9 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
         lists.generation.zero_()
         lists.counts.zero_()
         route_k.route(logits, bias, K, True, 1.0, lists=lists)
+        work = experts_k.make_workspace(b, K, L, I, dev)
         rows = experts_k.experts(q, qs, prepared, lists.counts, lists.pairs, lists.generation,
-                                 K, cfg_t.beta, cfg_t.linear_beta)
+                                 K, cfg_t.beta, cfg_t.linear_beta, workspace=work)
         check_b = min(b, 65)
         sub = ids[:check_b]
         ref_rows = reference.expert_rows(q[:check_b], qs[:check_b], sub, w.w13, w.w13_scales,
@@ -187,7 +188,8 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
             record(label, b, "experts", "triton", bench(
                 lambda: experts_k.experts(q, qs, prepared, lists.counts, lists.pairs,
                                           lists.generation, K, cfg_t.beta, cfg_t.linear_beta,
-                                          rows=rows)), nb, machine, flops, f"{err:.1e}")
+                                          rows=rows, workspace=work)), nb, machine, flops,
+                f"{err:.1e}")
         else:
             print(f"!! {label} b={b}: experts rel err {err:.2e}: not timed")
         if with_peers and hasattr(torch, "_grouped_mm"):

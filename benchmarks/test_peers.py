@@ -1,7 +1,8 @@
 """benchmarks/peers.py's driver of triton_kernels' ``matmul_ogs`` (the MXFP4 MoE peer).
 
-Skipped where triton_kernels is not importable (CI: it is never committed; locally and
-on the GPU machine: ``PYTHONPATH=.peers``). On a GPU the peer runs as the benchmark runs
+Run by hand, not by CI (it lives beside the benchmark, outside ``tests/``):
+``PYTHONPATH=.peers python -m pytest -q benchmarks/test_peers.py``; without triton_kernels
+on the path it is skipped as a whole. On a GPU the peer runs as the benchmark runs
 it (the Hopper layout on an H200). In Triton's interpreter it runs in the plain strided
 layout (the Hopper one upcasts with inline PTX) under ``interpreted``, which adapts the
 library to the interpreter without changing what its kernels compute.
@@ -10,16 +11,22 @@ library to the interpreter without changing what its kernels compute.
 from __future__ import annotations
 
 import inspect
+import os
 import pathlib
 import sys
 
-import pytest
 import torch
 
-from conftest import DEVICE
-from wide_moe_triton import mx
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import pytest  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from wide_moe_triton import mx  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytest.importorskip("triton_kernels.matmul_ogs",
                     reason="triton_kernels absent (PYTHONPATH=.peers, see benchmarks/NOTES.md)")
 import peers  # noqa: E402
