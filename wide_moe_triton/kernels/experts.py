@@ -46,6 +46,7 @@ from ..config import MX_BLOCK
 from ..tuning import config_for
 from .bits import f32_to_bf16_bits
 from .plan import mxfp8_tile
+from .situ import situ
 
 KERNEL_UP = "experts_up"
 KERNEL_DOWN = "experts_down"
@@ -281,38 +282,6 @@ def _mx_dot(acc, a_codes, a_scales, b_codes, b_scales, A_BF16: tl.constexpr):
         return tl.dot_scaled(a_codes, a_scales, "e4m3", b_codes, b_scales, "e2m1", acc)
 
 
-@triton.jit
-def _tanh(x):
-    """tanh in FP32 to about an ulp, from exp only (libdevice is not in the interpreter):
-    an odd Taylor polynomial below 0.5 (error < 1e-8 relative) where (1 - e)/(1 + e)
-    would cancel, that quotient with e = exp(-2|x|) above."""
-    a = tl.abs(x)
-    a2 = a * a
-    p = -929569.0 / 638512875.0
-    p = p * a2 + 21844.0 / 6081075.0
-    p = p * a2 - 1382.0 / 155925.0
-    p = p * a2 + 62.0 / 2835.0
-    p = p * a2 - 17.0 / 315.0
-    p = p * a2 + 2.0 / 15.0
-    p = p * a2 - 1.0 / 3.0
-    small = a + a * a2 * p
-    e = tl.exp(-2.0 * a)
-    large = tl.math.div_rn(1.0 - e, 1.0 + e)
-    t = tl.where(a < 0.5, small, large)
-    t = tl.where(x < 0, -t, t)
-    return tl.where(x != x, x, t)
-
-
-@triton.jit
-def _situ(g, u, beta, linear_beta, HAS_LINEAR_BETA: tl.constexpr):
-    """SiTU in FP32, in ``reference.situ``'s order of operations:
-    beta * tanh(g / beta) * sigmoid(g) * u', u' = linear_beta * tanh(u / linear_beta)."""
-    if HAS_LINEAR_BETA:
-        u = linear_beta * _tanh(tl.math.div_rn(u, linear_beta))
-    sig = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + tl.exp(-g))
-    return beta * _tanh(tl.math.div_rn(g, beta)) * sig * u
-
-
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
@@ -351,7 +320,7 @@ def _experts_up_kernel(
                                     n, n_ok, k0, BLOCK_K)
             acc_g = _mx_dot(acc_g, a, a_s, bg, bg_s, A_BF16)
             acc_u = _mx_dot(acc_u, a, a_s, bu, bu_s, A_BF16)
-        h = _situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA)
+        h = situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA)
         codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
         tl.store(h_ptr + pair[:, None] * INTER + n[None, :], codes,
                  mask=m_ok[:, None] & n_ok[None, :])
