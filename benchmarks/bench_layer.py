@@ -39,6 +39,8 @@ from wide_moe_triton.kernels import front as front_k  # noqa: E402
 from wide_moe_triton.kernels import mailbox as mailbox_k  # noqa: E402
 from wide_moe_triton.kernels import plan as plan_k  # noqa: E402
 from wide_moe_triton.kernels import route as route_k  # noqa: E402
+from wide_moe_triton.kernels import shared as shared_k  # noqa: E402
+from wide_moe_triton.kernels import tail as tail_k  # noqa: E402
 from wide_moe_triton.sharding import shard  # noqa: E402
 
 import peers  # noqa: E402  (benchmarks/peers.py: the peers that need outside code)
@@ -147,6 +149,7 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
             record(label, b, "front", "torch.mm", bench(
                 lambda: torch.mm(x, copies[next(it) % len(copies)].t(), out_dtype=torch.float32)),
                 nb, machine)
+            dense_linears(label, b, w, cfg_t, x, gen, machine, with_peers)
         # route + claims (plain logits) and plan (plain latent)
         logits, bias = routed_ids(cfg_t, b, gen, dev)
         ids, weights = route_k.route(logits, bias, K, True, cfg_t.routed_scaling_factor,
@@ -220,6 +223,53 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
         else:
             print(f"!! {label} b={b}: finalize not bitwise: not timed")
         print_rows(label, b)
+
+
+def dense_linears(label, b, w, cfg_t, x, gen, machine, peers=True):
+    """The shared expert and the tail's up-projection on the front GEMM (batch invariant)
+    beside the stock path's cuBLAS linears (``reference.shared_expert``, ``addmm_``).
+    Their weights are not rotated as the front's are: both sides may find part of them
+    in L2, so the ratio is fair and the absolute times optimistic."""
+    dev = x.device
+    H, L, S, Hr = cfg_t.hidden, cfg_t.latent, cfg_t.shared_per_rank, cfg_t.hidden_per_rank
+    pairs = shared_k.interleave_gate_up(w.shared_gate_up)
+    hidden = torch.empty(b, S, dtype=torch.bfloat16, device=dev)
+    out = torch.empty(b, H, dtype=torch.bfloat16, device=dev)
+
+    def ours():
+        return shared_k.shared_expert(x, pairs, w.shared_down, cfg_t.beta, cfg_t.linear_beta,
+                                      hidden=hidden, out=out)
+
+    def stock():
+        return reference.shared_expert(x, w.shared_gate_up, w.shared_down, cfg_t.beta,
+                                       cfg_t.linear_beta)
+    err = rel_err(ours(), stock())
+    nb = (pairs.numel() + w.shared_down.numel() + x.numel() + out.numel()) * 2
+    flops = 2 * b * 3 * S * H
+    if err < 1e-2:
+        record(label, b, "shared expert", "triton", bench(ours), nb, machine, flops,
+               f"{err:.1e}")
+    else:
+        print(f"!! {label} b={b}: shared expert rel err {err:.2e}: not timed")
+    if peers:
+        record(label, b, "shared expert", "F.linear (cuBLAS)", bench(stock), nb, machine, flops)
+    normed = torch.randn(b, L, generator=gen, device=dev).bfloat16()
+    partial = torch.randn(b, H, generator=gen, device=dev).bfloat16()
+    cols = partial[:, :Hr]
+    ref = (cols.float() + reference.mm_f32(normed, w.latent_up)).bfloat16()
+    # Each timed call adds into the same columns again: the values drift, the work does not.
+    err = rel_err(tail_k.add_up_projection(normed, w.latent_up, cols.clone()), ref)
+    nb = (w.latent_up.numel() + normed.numel() + 2 * cols.numel()) * 2
+    flops = 2 * b * Hr * L
+    if err < 1e-2:
+        record(label, b, "tail up", "triton",
+               bench(lambda: tail_k.add_up_projection(normed, w.latent_up, cols)), nb, machine,
+               flops, f"{err:.1e}")
+    else:
+        print(f"!! {label} b={b}: tail up-projection rel err {err:.2e}: not timed")
+    if peers:
+        record(label, b, "tail up", "addmm_ (cuBLAS)",
+               bench(lambda: cols.addmm_(normed, w.latent_up.t())), nb, machine, flops)
 
 
 def bf16_experts(w):

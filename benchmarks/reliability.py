@@ -11,7 +11,9 @@ be all-empty between calls. Exits non-zero on the first difference.
 
 ``--sanitize`` instead runs a few eager calls at the tiny dims (for compute-sanitizer);
 ``--invariance`` checks that a row's output has the same bits alone, inside 65 rows and
-inside 1024 rows (the tuned configs change tiles per batch width, never reductions).
+inside 1024 rows (the tuned configs change tiles per batch width, never reductions): of
+the front GEMM, the shared expert and the tail on their own, then of the layer, so that
+a difference names the stage where it starts.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from wide_moe_triton import LatentMoE, WideMoE, WideMoEConfig  # noqa: E402
+from wide_moe_triton.kernels import front as front_k  # noqa: E402
 from wide_moe_triton.kernels import mailbox as mailbox_k  # noqa: E402
 from bench_layer import capture_graph  # noqa: E402  (this folder is on sys.path)
 
@@ -54,10 +57,19 @@ def invariance_run(experts: int) -> int:
     stock = LatentMoE(cfg, seed=0, device="cuda")
     wide = WideMoE.from_module(stock)
     x = torch.randn(1024, cfg.hidden, device="cuda").bfloat16()
-    alone, in_65, in_all = wide(x[7:8]), wide(x[:65])[7:8], wide(x)[7:8]
-    same = torch.equal(alone, in_65) and torch.equal(alone, in_all)
-    print(f"batch invariance at E={experts}: row 7 alone / in 65 / in 1024 "
-          f"{'bitwise equal' if same else 'DIFFER'}")
+    latent = torch.randn(1024, cfg.latent, device="cuda").bfloat16()
+    # The dense stages on their own, then the layer: a difference names where it starts.
+    stages = {"front GEMM": lambda rows: front_k.front_gemm(x[rows], wide.packed),
+              "shared expert": lambda rows: wide.shared(x[rows]),
+              "tail": lambda rows: wide.tail(latent[rows], torch.zeros_like(x[rows])),
+              "layer": lambda rows: wide(x[rows])}
+    same = True
+    for name, run in stages.items():
+        alone, in_65, in_all = run(slice(7, 8)), run(slice(0, 65))[7:8], run(slice(0, 1024))[7:8]
+        equal = torch.equal(alone, in_65) and torch.equal(alone, in_all)
+        same &= equal
+        print(f"batch invariance at E={experts}, {name}: row 7 alone / in 65 / in 1024 "
+              f"{'bitwise equal' if equal else 'DIFFER'}")
     return 0 if same else 1
 
 

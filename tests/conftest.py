@@ -37,3 +37,14 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     else:
         t.fill_(-0x5A5A5A5A if t.dtype in (torch.int32, torch.int64) else 0)
     return t
+
+
+def forbid_launches(monkeypatch, module, *kernels: str) -> None:
+    """Replace ``module``'s Triton kernels named ``kernels`` by stand-ins that fail the
+    test if launched (for calls that must launch nothing, e.g. an empty batch)."""
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("a kernel was launched for an empty batch")
+
+    for name in kernels:
+        monkeypatch.setattr(module, name, NoLaunch())

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import DEVICE, poison
+from conftest import DEVICE, forbid_launches, poison
 from wide_moe_triton import reference
 from wide_moe_triton.kernels import finalize as finalize_module
 from wide_moe_triton.kernels.finalize import finalize
@@ -120,11 +120,7 @@ def test_generation_advances_once_per_call():
 
 
 def test_empty_batch_launches_nothing(monkeypatch):
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("a kernel was launched for an empty batch")
-
-    monkeypatch.setattr(finalize_module, "_finalize_kernel", NoLaunch())
+    forbid_launches(monkeypatch, finalize_module, "_finalize_kernel")
     generation = torch.tensor([3], dtype=torch.int32, device=DEVICE)
     rows = torch.empty(0, 96, dtype=torch.bfloat16, device=DEVICE)
     weights = torch.empty(0, 4, dtype=torch.bfloat16, device=DEVICE)

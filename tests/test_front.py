@@ -4,33 +4,15 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import DEVICE, poison
+from conftest import DEVICE, forbid_launches, poison
+from gemm_cases import LAYOUTS, REDUCTIONS, draw_row_and_configs, error_bound, make_inputs
 from wide_moe_triton import LatentMoE, WideMoEConfig, reference
 from wide_moe_triton.kernels import front
 from wide_moe_triton.kernels.front import front_gemm, pack_front
 
-U32 = 2.0 ** -24  # FP32 unit roundoff
-
-# Small tiles keep the interpreter quick while every shape spans several programs.
-# BLOCK_K 32 over H 256 is 8 K blocks: SPLIT_K 3 gives ragged segments (3, 3, 2).
-LAYOUTS = [
-    dict(BLOCK_M=16, BLOCK_N=64, SPLIT_GRID=1, num_warps=4, num_stages=3),
-    dict(BLOCK_M=64, BLOCK_N=128, SPLIT_GRID=0, num_warps=8, num_stages=4),
-    dict(BLOCK_M=32, BLOCK_N=64, SPLIT_GRID=1, num_warps=4, num_stages=2),
-    dict(BLOCK_M=16, BLOCK_N=128, SPLIT_GRID=0, num_warps=4, num_stages=3),
-]
-REDUCTIONS = [dict(BLOCK_K=32, SPLIT_K=1), dict(BLOCK_K=32, SPLIT_K=3),
-              dict(BLOCK_K=64, SPLIT_K=2), dict(BLOCK_K=32, SPLIT_K=8)]
 # (N, H): the tiny layer's TP4 rank (16/4 + 256/4 rounded to the brief's 16 + 64), an
 # N that is not a multiple of 8, and an H that is not a multiple of BLOCK_K 64.
 SHAPES = [(80, 256), (37, 256), (72, 96)]
-
-
-def make_inputs(b, N, H, seed):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(b, H, generator=gen).to(torch.bfloat16)
-    packed = (torch.randn(N, H, generator=gen) * H ** -0.5).to(torch.bfloat16)
-    return x.to(DEVICE), packed.to(DEVICE)
 
 
 def run(x, packed, config, **kwargs):
@@ -38,13 +20,6 @@ def run(x, packed, config, **kwargs):
     result = front_gemm(x, packed, out=out, config=config, **kwargs)
     assert result is out
     return out
-
-
-def error_bound(x, packed):
-    """Any FP32 summation order of H exact products errs by at most (H-1)u sum|terms|
-    (plus the segment adds, well inside the factor H used here)."""
-    H = x.shape[1]
-    return H * U32 * (x.double().abs() @ packed.double().abs().t())
 
 
 @given(b=st.integers(1, 64), shape=st.sampled_from(SHAPES),
@@ -90,11 +65,9 @@ def test_split_modes_agree_and_reproduce(b, shape, seed):
 def test_batch_invariance(b, data, shape, reduction, seed):
     N, H = shape
     x, packed = make_inputs(b, N, H, seed)
-    row = data.draw(st.integers(0, b - 1), label="row")
-    alone_layout = data.draw(st.sampled_from(LAYOUTS), label="alone_layout")
-    wide_layout = data.draw(st.sampled_from(LAYOUTS), label="wide_layout")
-    alone = run(x[row:row + 1].contiguous(), packed, {**alone_layout, **reduction})
-    wide = run(x, packed, {**wide_layout, **reduction})
+    row, alone_cfg, wide_cfg = draw_row_and_configs(data, b, reduction)
+    alone = run(x[row:row + 1].contiguous(), packed, alone_cfg)
+    wide = run(x, packed, wide_cfg)
     assert torch.equal(alone.view(torch.int32), wide[row:row + 1].view(torch.int32))
 
 
@@ -185,12 +158,7 @@ def test_workspace_argument():
 
 
 def test_empty_batch_launches_nothing(monkeypatch):
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("a kernel was launched for an empty batch")
-
-    monkeypatch.setattr(front, "_front_kernel", NoLaunch())
-    monkeypatch.setattr(front, "_front_reduce_kernel", NoLaunch())
+    forbid_launches(monkeypatch, front, "_front_kernel", "_front_reduce_kernel")
     x = torch.empty(0, 256, dtype=torch.bfloat16, device=DEVICE)
     packed = torch.zeros(80, 256, dtype=torch.bfloat16, device=DEVICE)
     out = front_gemm(x, packed)

@@ -1,13 +1,17 @@
-"""The tail's RMSNorm: bf16(x * rsqrt(mean(x^2) + eps) * weight) in FP32."""
+"""The tail: its RMSNorm, bf16(x * rsqrt(mean(x^2) + eps) * weight) in FP32, and its
+up-projection added into the shared partial, bf16(fp32(shared) + normed @ up.T)."""
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import DEVICE, poison
+from conftest import DEVICE, forbid_launches, poison
+from gemm_cases import (LAYOUTS, REDUCTIONS, assert_mostly_equal, assert_one_rounding,
+                        draw_row_and_configs, error_bound)
+from gemm_cases import make_inputs as gemm_inputs
 from wide_moe_triton import reference
 from wide_moe_triton.kernels import tail
-from wide_moe_triton.kernels.tail import rms_norm
+from wide_moe_triton.kernels.tail import add_up_projection, rms_norm
 
 EPS = 1e-6
 CONFIGS = [None, dict(BLOCK_T=1, num_warps=1), dict(BLOCK_T=2, num_warps=4),
@@ -95,20 +99,84 @@ def test_production_width_and_in_place():
 
 
 def test_empty_batch_launches_nothing(monkeypatch):
-    class NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("a kernel was launched for an empty batch")
-
-    monkeypatch.setattr(tail, "_rms_norm_kernel", NoLaunch())
+    forbid_launches(monkeypatch, tail, "_rms_norm_kernel")
     x = torch.empty(0, 96, dtype=torch.bfloat16, device=DEVICE)
     weight = torch.ones(96, dtype=torch.bfloat16, device=DEVICE)
     out = rms_norm(x, weight, EPS)
     assert out.shape == (0, 96) and out.dtype == torch.bfloat16
 
 
+# ------------------------------------------------------------------------- up-projection
+
+def shared_partial(b, H, seed, spare_rows=2):
+    """A BF16 [b + spare_rows, H] shared partial of unit scale (the layer's rows are its
+    first b)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b + spare_rows, H, generator=gen).bfloat16().to(DEVICE)
+
+
+# (columns of this rank, L): the tiny layer at TP1 and TP4, and an L that is not a
+# multiple of BLOCK_K 64 with a column count that is not a multiple of 8.
+UP_SHAPES = [(256, 256), (64, 256), (37, 96)]
+
+
+@given(b=st.integers(1, 64), shape=st.sampled_from(UP_SHAPES), layout=st.sampled_from(LAYOUTS),
+       reduction=st.sampled_from(REDUCTIONS), rank=st.integers(0, 2),
+       seed=st.integers(0, 2 ** 16))
+def test_up_projection_adds_with_one_rounding(b, shape, layout, reduction, rank, seed):
+    N, L = shape
+    normed, up = gemm_inputs(b, N, L, seed)
+    full = shared_partial(b, 3 * N, seed + 1)
+    before = full.clone()
+    cols = full[:b, rank * N:(rank + 1) * N]  # this rank's columns: strided rows
+    assert add_up_projection(normed, up, cols, config={**layout, **reduction}) is cols
+    # Only this rank's columns of the first b rows changed.
+    others = torch.ones_like(full, dtype=torch.bool)
+    others[:b, rank * N:(rank + 1) * N] = False
+    assert torch.equal(full[others].view(torch.int16), before[others].view(torch.int16))
+    # bf16(fp32(shared) + sums): the sums within their FP32-order bound of the float64
+    # products, the FP32 add then monotone, and one rounding.
+    start = before[:b, rank * N:(rank + 1) * N]
+    exact = start.double() + normed.double() @ up.double().t()
+    assert_one_rounding(cols, exact, error_bound(normed, up))
+    ref = (start.float() + reference.mm_f32(normed, up)).to(torch.bfloat16)
+    assert_mostly_equal(cols, ref)
+
+
+@given(b=st.integers(2, 64), data=st.data(), reduction=st.sampled_from(REDUCTIONS),
+       seed=st.integers(0, 2 ** 16))
+def test_up_projection_batch_invariance(b, data, reduction, seed):
+    normed, up = gemm_inputs(b, 64, 256, seed)
+    full = shared_partial(b, 256, seed + 1)
+    row, alone_cfg, wide_cfg = draw_row_and_configs(data, b, reduction)
+    alone = full[row:row + 1, :64].clone()
+    add_up_projection(normed[row:row + 1].contiguous(), up, alone, config=alone_cfg)
+    add_up_projection(normed, up, full[:b, :64], config=wide_cfg)
+    assert torch.equal(alone.view(torch.int16), full[row:row + 1, :64].view(torch.int16))
+    # And through the tail's own tuning entry, whose tiles differ between 1 and b rows.
+    one, many = full[row:row + 1].clone(), full[:b].clone()
+    add_up_projection(normed[row:row + 1].contiguous(), up, one[:, 64:128])
+    add_up_projection(normed, up, many[:, 64:128])
+    assert torch.equal(one.view(torch.int16), many[row:row + 1].view(torch.int16))
+
+
+def test_up_projection_nan_stays_in_its_row():
+    normed, up = gemm_inputs(5, 64, 256, seed=6)
+    normed[2, 7] = float("nan")
+    full = shared_partial(5, 64, seed=7)
+    clean = full.clone()
+    add_up_projection(normed, up, full[:5])
+    assert torch.isnan(full[2].float()).all()
+    keep = [0, 1, 3, 4]
+    clean = clean[keep]  # a copy: the rows without the NaN, on their own
+    add_up_projection(normed[keep].contiguous(), up, clean)
+    assert torch.equal(full[keep].view(torch.int16), clean.view(torch.int16))
+
+
 def _bad_calls():
     bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
     x, w = torch.zeros(4, 64, **bf16), torch.ones(64, **bf16)
+    up, cols = torch.zeros(32, 64, **bf16), torch.zeros(4, 96, **bf16)[:, 32:64]
     return [
         (lambda: rms_norm(x.float(), w, EPS), TypeError, "x must be torch.bfloat16"),
         (lambda: rms_norm(x[0], w, EPS), ValueError, "x must have shape"),
@@ -125,6 +193,17 @@ def _bad_calls():
          "out must be torch.bfloat16"),
         (lambda: rms_norm(x, w, EPS, config=dict(BLOCK_T=3, num_warps=4)), ValueError,
          "BLOCK_T"),
+        (lambda: add_up_projection(x.float(), up, cols), TypeError,
+         "normed must be torch.bfloat16"),
+        (lambda: add_up_projection(x, up[:, :32], cols), ValueError,
+         "latent_up must have shape"),
+        (lambda: add_up_projection(x, up.float(), cols), TypeError,
+         "latent_up must be torch.bfloat16"),
+        (lambda: add_up_projection(x, up, cols[:3]), ValueError, "shared must have shape"),
+        (lambda: add_up_projection(x, up, cols.float()), TypeError,
+         "shared must be torch.bfloat16"),
+        (lambda: add_up_projection(x, up, torch.zeros(4, 96, **bf16)[:, ::3]), ValueError,
+         "out must have adjacent columns"),
     ]
 
 

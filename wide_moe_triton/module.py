@@ -2,7 +2,8 @@
 
 One call (DESIGN.md), per rank r of T:
 
-    side stream   shared = shared_expert_r(x)                       (BF16 partial [b, H])
+    side stream   shared = shared_expert_r(x)                       (BF16 partial [b, H],
+                                                                     kernels/shared)
     front stream  front = x @ packed_r.T                            (FP32, kernels/front)
                   publish front into every rank's mailbox row       (kernels/mailbox)
                   ids, weights = route(polled logits) + list claims (kernels/route)
@@ -10,10 +11,19 @@ One call (DESIGN.md), per rank r of T:
                   rows = experts(plan, lists)                       (kernels/experts)
                   latent_out = finalize(rows, weights); generation += 1
     main stream   latent = all_reduce(latent_out); normed = rms_norm(latent)
-                  shared[:, cols_r] += normed @ up_r.T; all_reduce(shared)
+                  shared[:, cols_r] += normed @ up_r.T; all_reduce(shared)   (kernels/tail)
 
 Buffers live in a ``WideScratch`` sized at ``wide_rows`` and shared by every layer of a
 model (layers run one after another on the same streams, so one set serves them all).
+
+Batch invariance, by construction: a token's output bits do not depend on the batch it
+comes in. Every stage's reduction order is fixed per shape, never per batch width: the
+dense linears (front GEMM, the shared expert's two linears, the tail's up-projection)
+all run on the front GEMM, whose BLOCK_K/SPLIT_K come from the smallest bucket of their
+own tuning entry, and no stage calls a BLAS kernel (whose choice depends on the batch).
+That covers one rank (T = 1) and ``SimulatedGroup``. Across real ranks the two
+all-reduces are NCCL's, whose algorithm (and with it the order in which the ranks'
+partials are added) may change with the message size: not covered.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from .kernels import front as front_k
 from .kernels import mailbox as mailbox_k
 from .kernels import plan as plan_k
 from .kernels import route as route_k
+from .kernels import shared as shared_k
 from .kernels import tail as tail_k
 from .sharding import RankShard, shard
 
@@ -59,11 +70,17 @@ class WideScratch:
         self.hidden = experts_k.make_workspace(R, K, L, cfg.intermediate_per_rank, dev)
         self.rows = empty(R * K, L, dtype=torch.bfloat16)
         self.latent_out = empty(R, L, dtype=torch.bfloat16)
+        self.shared_hidden = empty(R, cfg.shared_per_rank, dtype=torch.bfloat16)
+        # Split-K partials of the GEMMs, one buffer per stream that runs them (they may
+        # run concurrently), each sized once for every width (graph-safe).
         n_front = cfg.experts_per_rank + cfg.latent_per_rank
-        # The front GEMM's split-K partials: one buffer for every width (graph-safe).
-        self.front_workspace = empty(
-            max(1, front_k.max_workspace_numel(R, n_front, cfg.hidden, dev)),
-            dtype=torch.float32)
+        workspace = lambda numel: empty(max(1, numel), dtype=torch.float32)  # noqa: E731
+        self.front_workspace = workspace(
+            front_k.max_workspace_numel(R, n_front, cfg.hidden, dev))
+        self.shared_workspace = workspace(
+            shared_k.max_workspace_numel(R, cfg.shared_per_rank, cfg.hidden, dev))
+        self.tail_workspace = workspace(front_k.max_workspace_numel(
+            R, cfg.hidden_per_rank, cfg.latent, dev, tail_k.KERNEL_UP))
         if dev.type == "cuda":
             high = torch.cuda.Stream.priority_range()[1]
             self.side = torch.cuda.Stream(device=dev)
@@ -136,7 +153,10 @@ class WideMoE(nn.Module):
                                                  weights.w2_scales)
         self.register_buffer("norm_weight", weights.norm_weight)
         self.register_buffer("latent_up", weights.latent_up)
-        self.register_buffer("shared_gate_up", weights.shared_gate_up)
+        # The shared gate and up rows interleaved (row 2j gate j, 2j+1 up j): the layout
+        # whose output tiles hold both inputs of each SiTU (kernels/shared.py).
+        self.register_buffer("shared_pairs", shared_k.interleave_gate_up(
+            weights.shared_gate_up))
         self.register_buffer("shared_down", weights.shared_down)
         self.columns = slice(self.rank * cfg.hidden_per_rank,
                              (self.rank + 1) * cfg.hidden_per_rank)
@@ -194,19 +214,21 @@ class WideMoE(nn.Module):
                                    generation=s.lists.generation)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial of the shared experts, BF16 [b, H]."""
-        return reference.shared_expert(x, self.shared_gate_up, self.shared_down,
-                                       self.cfg.beta, self.cfg.linear_beta)
+        """This rank's partial of the shared experts, BF16 [b, H] (a new tensor: the tail
+        adds into it and it becomes the layer's output)."""
+        s, b = self.scratch, x.shape[0]
+        out = torch.empty(b, self.cfg.hidden, dtype=torch.bfloat16, device=x.device)
+        return shared_k.shared_expert(x, self.shared_pairs, self.shared_down, self.cfg.beta,
+                                      self.cfg.linear_beta, hidden=s.shared_hidden[:b],
+                                      out=out, workspace=s.shared_workspace)
 
     def tail(self, latent: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """RMSNorm of the all-reduced latent, this rank's up-projection columns added into
-        its shared partial (in place, one rounding): the partial hidden rows [b, H]."""
+        its shared partial (in place, FP32 accumulation, one rounding): the partial
+        hidden rows [b, H]."""
         normed = tail_k.rms_norm(latent, self.norm_weight, self.cfg.rms_eps)
-        cols = shared[:, self.columns]
-        if shared.is_cuda:  # cuBLAS: FP32 accumulation of both terms, one BF16 rounding
-            cols.addmm_(normed, self.latent_up.t())
-        else:
-            cols.copy_((cols.float() + reference.mm_f32(normed, self.latent_up)))
+        tail_k.add_up_projection(normed, self.latent_up, shared[:, self.columns],
+                                 workspace=self.scratch.tail_workspace)
         return shared
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,10 @@ each candidate through the kernel's own launch wrapper, checks the output agains
 reference (a wrong config is never chosen), times it (``do_bench_cudagraph`` median) and
 keeps the fastest. Keys that set a kernel's reduction order (``REDUCTION_KEYS``) are
 chosen once per shape, at the smallest bucket, and held for the wider ones, so tuning
-never makes a token's bits depend on its batch width. Progress goes to a ``.partial``
+never makes a token's bits depend on its batch width. The dense linears that run on the
+front GEMM (the shared expert's ``shared_gate_up`` and ``shared_down``, the tail's
+``latent_up``) are tuned as kernels of their own, each at its own shapes. Progress goes
+to a ``.partial``
 file beside the output after every point: an interrupted sweep resumes where it was.
 
     python -m wide_moe_triton.tune --quick              # about 5 minutes on an H200
@@ -33,11 +36,15 @@ QUICK_BUCKETS = (64, 256, 1024)
 
 class Case:
     """One kernel at one shape and batch width: ``run(config)`` launches it and returns its
-    output; ``ok(output)`` says whether that output is right."""
+    output; ``ok(output)`` says whether that output is right. ``quick``: under --quick,
+    try only this many of the default's neighbours (kernels that share another's space
+    and so need fewer tries), instead of the neighbours and a random sample."""
 
-    def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=(), priors=()):
+    def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=(), quick=None,
+                 priors=()):
         self.kernel, self.shape, self.space, self.default = kernel, shape, space, default
         self.run, self.ok, self.reduction_keys = run, ok, reduction_keys
+        self.quick = quick
         self.priors = [dict(p) for p in priors]  # always tried, with the neighbours
 
 
@@ -121,6 +128,56 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
                lambda c: tk.rms_norm(latent, norm_w, cfg.rms_eps, config=c),
                _close(reference.rms_norm(latent, norm_w, cfg.rms_eps), 2 ** -8))
 
+    yield from linear_cases(cfg, b, x, rnd)
+
+
+# Neighbours of the default config tried per point by --quick for the linears that run
+# on the front GEMM: 3 kernels x 3 TP shapes x 3 buckets x (1 + 2) runs. Estimated (not
+# yet timed) at about a minute on an H200: ~40 compiles of ~1 s (the constexprs do not
+# include N or H, so the TP shapes share them) and 81 timings of ~0.25 s.
+QUICK_LINEAR = 2
+
+
+def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
+    """The dense linears on the front GEMM, each under its own tuning name and shape: the
+    shared expert's gate/up with SiTU and its down, and the tail's up-projection."""
+    from .kernels import front as frk, shared as sk, tail as tk
+
+    dev = x.device
+    H, L, S, Hr = cfg.hidden, cfg.latent, cfg.shared_per_rank, cfg.hidden_per_rank
+    bf16 = torch.bfloat16
+
+    def case(kernel, N, K, run, expected):
+        return Case(kernel, frk.shape_key(N, K), frk.SPACE, frk.default_config(N, K, b), run,
+                    _close(expected, 1e-2), frk.REDUCTION_KEYS, quick=QUICK_LINEAR)
+
+    gate_up = (rnd(2 * S, H) * H ** -0.5).to(bf16)
+    pairs = sk.interleave_gate_up(gate_up)
+    gu = (x.double() @ gate_up.double().t()).float().to(bf16)
+    hidden = torch.empty(b, S, dtype=bf16, device=dev)
+    yield case(sk.KERNEL_GATE_UP, 2 * S, H,
+               lambda c: frk.linear_situ(x, pairs, cfg.beta, cfg.linear_beta, out=hidden,
+                                         kernel=sk.KERNEL_GATE_UP, config=c),
+               reference.situ(gu[:, :S], gu[:, S:], cfg.beta, cfg.linear_beta))
+
+    h, down = rnd(b, S).to(bf16), (rnd(H, S) * S ** -0.5).to(bf16)
+    shared_out = torch.empty(b, H, dtype=bf16, device=dev)
+    yield case(sk.KERNEL_DOWN, H, S,
+               lambda c: frk.linear(h, down, out=shared_out, kernel=sk.KERNEL_DOWN, config=c),
+               h.double() @ down.double().t())
+
+    # As in the layer: this rank's columns of a [b, H] shared partial, added into in
+    # place, so each run starts from a copy of the same partial (a copy every config pays).
+    normed, up = rnd(b, L).to(bf16), (rnd(Hr, L) * L ** -0.5).to(bf16)
+    start, partial = rnd(b, Hr).to(bf16), torch.empty(b, H, dtype=bf16, device=dev)
+    cols = partial[:, :Hr]
+
+    def up_projection(c):
+        cols.copy_(start)
+        return tk.add_up_projection(normed, up, cols, config=c)
+    yield case(tk.KERNEL_UP, Hr, L, up_projection,
+               start.double() + normed.double() @ up.double().t())
+
 
 def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator) -> dict:
     """Rank-local MXFP4 experts drawn like ``LatentMoE``'s, without building the layer."""
@@ -190,7 +247,8 @@ def sweep(args) -> dict:
                     bar.set_description(f"tp{tp} b={b} {case.kernel}")
                 else:
                     print(f"tp{tp} b={b} {case.kernel}", flush=True)
-                slot[str(b)] = best_config(case, slot, args.candidates, args.seed)
+                slot[str(b)] = best_config(case, slot, args.candidates, args.seed,
+                                           case.quick if args.quick else None)
                 partial.parent.mkdir(parents=True, exist_ok=True)
                 partial.write_text(json.dumps(done, indent=1))
             if bar:
@@ -203,9 +261,11 @@ def sweep(args) -> dict:
     return done
 
 
-def best_config(case: Case, chosen: dict, candidates: int | None, seed: int) -> dict:
+def best_config(case: Case, chosen: dict, candidates: int | None, seed: int,
+                quick: int | None = None) -> dict:
     """The fastest correct config of ``case``, holding the reduction keys already chosen
-    at a smaller bucket of the same shape."""
+    at a smaller bucket of the same shape. ``quick``: try only that many of the
+    default's neighbours."""
     space = [dict(c) for c in case.space]
     held = None
     if case.reduction_keys and chosen:
@@ -215,11 +275,13 @@ def best_config(case: Case, chosen: dict, candidates: int | None, seed: int) -> 
     default = dict(case.default)
     if held:
         default.update(held)
-    if candidates and len(space) > candidates:
+    near = [c for c in space if sum(c.get(k) != v for k, v in default.items()) == 1]
+    near += [p for p in case.priors if p in space and p not in near]
+    if quick is not None:
+        space = random.Random(seed).sample(near, min(quick, len(near)))
+    elif candidates and len(space) > candidates:
         # The default's neighbours (one key changed) always, then a random sample: a
         # coordinate step around a sane point finds most of the gain in few compiles.
-        near = [c for c in space if sum(c.get(k) != v for k, v in default.items()) == 1]
-        near += [p for p in case.priors if p in space and p not in near]
         rest = [c for c in space if c not in near]
         space = near + random.Random(seed).sample(rest, min(candidates, len(rest)))
     best, best_us = dict(default), time_config(case, default)
@@ -260,7 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--kernels", nargs="+", help="only these kernels (default: all)")
     p.add_argument("--quick", action="store_true",
-                   help=f"buckets {QUICK_BUCKETS}; the default's neighbours and 3 random candidates")
+                   help=f"buckets {QUICK_BUCKETS}; the default's neighbours and 3 random "
+                        f"candidates ({QUICK_LINEAR} neighbours for the linears on the front GEMM)")
     p.add_argument("--candidates", type=int, help="candidates a point (random sample)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh", action="store_true", help="ignore a .partial file")

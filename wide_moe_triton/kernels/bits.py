@@ -23,3 +23,10 @@ def f32_to_bf16_bits(x):
     bits = x.to(tl.int32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     return tl.where(x != x, 0x7FC0, rounded).to(tl.int16)
+
+
+@triton.jit
+def round_to_bf16(x):
+    """FP32 ``x`` rounded once to BF16 (nearest even), kept as FP32 values: the rounding
+    a BF16 output applies, for math that goes on in FP32 afterwards."""
+    return bf16_bits_to_f32(f32_to_bf16_bits(x))

@@ -64,6 +64,7 @@ from ..config import MX_BLOCK
 from ..tuning import config_for
 from .bits import f32_to_bf16_bits
 from .plan import mxfp8_tile
+from .situ import situ
 
 KERNEL_UP = "experts_up"
 KERNEL_DOWN = "experts_down"
@@ -343,8 +344,6 @@ def _load_pairs(list_ptr, m0, count, BLOCK_M: tl.constexpr):
     return pair.to(tl.int64), ok
 
 
-# ----------------------------------------------------------------------------- kernels
-
 @triton.jit
 def _row_chunks(rows, k0, ROW_BYTES: tl.constexpr, STEP_BYTES: tl.constexpr,
                 ROW_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -472,37 +471,7 @@ def _mx_dot(acc, w, w_scales, a, a_scales, A_BF16: tl.constexpr):
                              fast_math=True)
 
 
-@triton.jit
-def _tanh(x):
-    """tanh in FP32 to about an ulp, from exp only (libdevice is not in the interpreter):
-    an odd Taylor polynomial below 0.5 (error < 1e-8 relative) where (1 - e)/(1 + e)
-    would cancel, that quotient with e = exp(-2|x|) above."""
-    a = tl.abs(x)
-    a2 = a * a
-    p = -929569.0 / 638512875.0
-    p = p * a2 + 21844.0 / 6081075.0
-    p = p * a2 - 1382.0 / 155925.0
-    p = p * a2 + 62.0 / 2835.0
-    p = p * a2 - 17.0 / 315.0
-    p = p * a2 + 2.0 / 15.0
-    p = p * a2 - 1.0 / 3.0
-    small = a + a * a2 * p
-    e = tl.exp(-2.0 * a)
-    large = tl.math.div_rn(1.0 - e, 1.0 + e)
-    t = tl.where(a < 0.5, small, large)
-    t = tl.where(x < 0, -t, t)
-    return tl.where(x != x, x, t)
-
-
-@triton.jit
-def _situ(g, u, beta, linear_beta, HAS_LINEAR_BETA: tl.constexpr):
-    """SiTU in FP32, in ``reference.situ``'s order of operations:
-    beta * tanh(g / beta) * sigmoid(g) * u', u' = linear_beta * tanh(u / linear_beta)."""
-    if HAS_LINEAR_BETA:
-        u = linear_beta * _tanh(tl.math.div_rn(u, linear_beta))
-    sig = tl.math.div_rn(tl.full(g.shape, 1.0, tl.float32), 1.0 + tl.exp(-g))
-    return beta * _tanh(tl.math.div_rn(g, beta)) * sig * u
-
+# ----------------------------------------------------------------------------- kernels
 
 @triton.jit
 def _experts_up_kernel(
@@ -547,7 +516,7 @@ def _experts_up_kernel(
             acc_g = _mx_dot(acc_g, wg, wg_s, a, a_s, A_BF16)
             acc_u = _mx_dot(acc_u, wu, wu_s, a, a_s, A_BF16)
             a, a_s = a_next, a_s_next
-        h = tl.trans(_situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
+        h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
         codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
         tl.store(h_ptr + pair[:, None] * INTER + n[None, :], codes,
                  mask=m_ok[:, None] & n_ok[None, :])

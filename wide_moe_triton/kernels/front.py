@@ -25,10 +25,29 @@ The MMA is ``packed_tile @ x_tile.T`` (swap-AB): the weight rows fill the 64-row
 wgmma M dimension and the batch is its N, so a batch of 1 still runs wgmma with a
 16-wide tile instead of a 64-row tile that is mostly padding, and the instruction
 (and with it every product's accumulation) is the same at every batch width.
+
+The same GEMM serves every dense linear of the layer, so that each gets this
+guarantee rather than a BLAS kernel chosen per batch width: an epilogue (a constexpr)
+says what becomes of an output tile's FP32 sums, applied by the GEMM program or, with
+split-K programs, by the reduction kernel after the last partial (the same function on
+the same sums, so both modes store the same bits):
+
+- ``front_gemm``: FP32 out (``EPI_F32``);
+- ``linear``: one rounding to BF16 (``EPI_BF16``, F.linear's epilogue), or, with
+  ``accumulate``, ``out = bf16(fp32(out) + sums)`` in place (``EPI_ADD_BF16``, addmm_'s);
+- ``linear_situ``: weight rows interleaved gate/up (row 2j gate j, row 2j+1 up j), each
+  sum rounded to BF16 as a BF16 linear's output is, then ``bf16(situ(g, u))`` in FP32
+  (``EPI_SITU``): the shared expert's first linear and its activation in one pass.
+
+Each caller names its own tuning ``kernel`` (e.g. ``"shared_down"``), so every
+(kernel, shape) has its own table entry and its own per-shape reduction keys. The
+kernels are compiled without FMA contraction: the SiTU epilogue must give the same bits
+in the GEMM program and in the reduction kernel, whatever each one's code around it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -37,7 +56,8 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..tuning import config_for
-from .bits import bf16_bits_to_f32
+from .bits import bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16
+from .situ import situ
 
 KERNEL = "front"
 # The base of every config; ``default_config`` sizes SPLIT_K, BLOCK_M and SPLIT_GRID.
@@ -57,7 +77,14 @@ SPACE = [
     and m * n // (32 * w) <= 64
 ]
 _SM_COUNT = 132  # H200; only the untuned defaults below use it
-_REDUCE_BLOCK = 1024
+_REDUCE_N, _REDUCE_M = 128, 8  # the reduction kernel's tile: 1024 elements, N contiguous
+
+# What a program does with an output tile's FP32 sums (see the module docstring). The
+# kernels compare their EPILOGUE with these; launches pass the plain ``.value``.
+EPI_F32 = tl.constexpr(0)
+EPI_BF16 = tl.constexpr(1)
+EPI_ADD_BF16 = tl.constexpr(2)
+EPI_SITU = tl.constexpr(3)
 
 
 def shape_key(N: int, H: int) -> str:
@@ -81,14 +108,48 @@ def _block_dot(w, x, acc, INTERPRET: tl.constexpr):
         return tl.dot(w, tl.trans(x), acc)
 
 
+@triton.jit
+def _store_tile(total, n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta,
+                BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
+    """Apply EPILOGUE to an output tile and store it. ``total`` [BLOCK_N, BLOCK_M]: the
+    FP32 sums of weight rows n0 + i (dim 0) for batch rows offs_m (dim 1); batch row m of
+    the output starts at ``out_ptr + m * out_stride`` (BF16 outputs as int16 bits)."""
+    BLOCK_M: tl.constexpr = total.shape[1]
+    row = offs_m[None, :].to(tl.int64) * out_stride
+    m_ok = (offs_m < b)[None, :]
+    if EPILOGUE == EPI_SITU:
+        # Rows 2j and 2j+1 (gate j, up j) are neighbours in the tile: split them apart,
+        # each rounded to BF16 first, as the stock path's BF16 linear output is.
+        pairs = tl.reshape(round_to_bf16(total), (BLOCK_N // 2, 2, BLOCK_M))
+        g, u = tl.split(tl.permute(pairs, (0, 2, 1)))
+        h = situ(g, u, beta, linear_beta, HAS_LINEAR_BETA)
+        j = n0 // 2 + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + row + j[:, None], f32_to_bf16_bits(h),
+                 mask=(j < N // 2)[:, None] & m_ok)
+    else:
+        n = n0 + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + row + n[:, None]
+        ok = (n < N)[:, None] & m_ok
+        if EPILOGUE == EPI_F32:
+            tl.store(ptrs, total, mask=ok)
+        else:
+            if EPILOGUE == EPI_ADD_BF16:
+                total = bf16_bits_to_f32(tl.load(ptrs, mask=ok, other=0)) + total
+            tl.store(ptrs, f32_to_bf16_bits(total), mask=ok)
+
+
 @triton.jit(do_not_specialize=["num_blocks", "blocks_per_split"])
-def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split,
+def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split, dst_stride,
+                  beta, linear_beta,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SPLIT_GRID: tl.constexpr, ONE_SEGMENT: tl.constexpr, EVEN_K: tl.constexpr,
+                  EPILOGUE: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
                   INTERPRET: tl.constexpr):
-    """dst[(s,) m, n] = sum over the K blocks of this program's segments of
-    x[m] . packed[n], as FP32; one program per (N tile, M tile[, segment]).
-    ONE_SEGMENT: the program sums a single segment (SPLIT_GRID, or SPLIT_K = 1)."""
+    """dst[(s,) m, n] = EPILOGUE(sum over the K blocks of this program's segments of
+    x[m] . w[n]); one program per (N tile, M tile[, segment]). SPLIT_GRID: dst is the
+    FP32 workspace [segments, b, N] (EPILOGUE is then EPI_F32, the reduction kernel
+    applies the caller's). ONE_SEGMENT: the program sums a single segment (SPLIT_GRID,
+    or SPLIT_K = 1)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,25 +193,32 @@ def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split,
     if ONE_SEGMENT:
         total = acc
 
-    out_ptrs = dst_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-    tl.store(out_ptrs, total, mask=(offs_n[:, None] < N) & (offs_m[None, :] < b))
+    _store_tile(total, pid_n * BLOCK_N, offs_m, N, b, dst_ptr, dst_stride, beta, linear_beta,
+                BLOCK_N, EPILOGUE, HAS_LINEAR_BETA)
 
 
 @triton.jit
-def _front_reduce_kernel(ws_ptr, out_ptr, numel, N_SPLITS: tl.constexpr, BLOCK: tl.constexpr):
-    """out = ws[0] + ws[1] + ... + ws[N_SPLITS - 1], left to right, in FP32."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
+def _front_reduce_kernel(ws_ptr, out_ptr, b, N, numel, out_stride, beta, linear_beta,
+                         N_SPLITS: tl.constexpr, EPILOGUE: tl.constexpr,
+                         HAS_LINEAR_BETA: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr):
+    """out = EPILOGUE(ws[0] + ws[1] + ... + ws[N_SPLITS - 1]), added left to right in
+    FP32, over a [BLOCK_N, BLOCK_M] tile oriented as the GEMM's (``_store_tile``)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = (offs_n[:, None] < N) & (offs_m[None, :] < b)
     # Every partial is loaded before the first add: N_SPLITS loads in flight, not one.
     parts = ()
-    ptrs = ws_ptr + offs
+    ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
     for s in tl.static_range(N_SPLITS):
-        parts = parts + (tl.load(ptrs, mask=mask),)
+        parts = parts + (tl.load(ptrs, mask=mask, other=0.0),)
         ptrs += numel
     total = parts[0]
     for s in tl.static_range(1, N_SPLITS):
         total += parts[s]
-    tl.store(out_ptr + offs, total, mask=mask)
+    _store_tile(total, n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta, BLOCK_N,
+                EPILOGUE, HAS_LINEAR_BETA)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -179,12 +247,13 @@ def default_config(N: int, H: int, b: int) -> dict:
     return cfg
 
 
-def launch_config(N: int, H: int, b: int, device=None) -> dict:
-    """The tuned config for a batch of ``b``, its reduction keys taken from the smallest
-    bucket's entry, so a row's bits never depend on the batch it came in."""
+def launch_config(N: int, H: int, b: int, device=None, kernel: str = KERNEL) -> dict:
+    """``kernel``'s tuned config for a batch of ``b`` at shape (N, H), its reduction keys
+    taken from the smallest bucket's entry, so a row's bits never depend on the batch it
+    came in."""
     key = shape_key(N, H)
-    cfg = config_for(KERNEL, key, b, default_config(N, H, b), device)
-    order = config_for(KERNEL, key, 1, default_config(N, H, 1), device)
+    cfg = config_for(kernel, key, b, default_config(N, H, b), device)
+    order = config_for(kernel, key, 1, default_config(N, H, 1), device)
     cfg.update({k: order[k] for k in REDUCTION_KEYS})
     return cfg
 
@@ -218,18 +287,19 @@ _workspaces: dict = {}
 
 
 def workspace_numel(b: int, N: int, H: int, config: dict) -> int:
-    """FP32 elements of workspace one call of ``front_gemm`` with ``config`` needs (0
-    when it runs without split-K programs)."""
+    """FP32 elements of workspace one call of the GEMM (``front_gemm``, ``linear``,
+    ``linear_situ``) at (b, N, H) with ``config`` needs (0 when it runs without split-K
+    programs)."""
     cfg = {**DEFAULT, **config}
     _, _, splits = _split_plan(H, cfg)
     return splits * b * N if cfg["SPLIT_GRID"] and splits > 1 else 0
 
 
-def max_workspace_numel(rows: int, N: int, H: int, device=None) -> int:
-    """FP32 elements of a workspace that serves every call of up to ``rows`` rows with
-    the tuned configs: the split count is fixed per shape, so it is splits * rows * N
-    (0 when the shape never splits K)."""
-    _, _, splits = _split_plan(H, launch_config(N, H, 1, device))
+def max_workspace_numel(rows: int, N: int, H: int, device=None, kernel: str = KERNEL) -> int:
+    """FP32 elements of a workspace that serves every call of ``kernel`` at shape (N, H)
+    of up to ``rows`` rows with the tuned configs: the split count is fixed per shape, so
+    it is splits * rows * N (0 when the shape never splits K)."""
+    _, _, splits = _split_plan(H, launch_config(N, H, 1, device, kernel))
     return splits * rows * N if splits > 1 else 0
 
 
@@ -249,6 +319,75 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _check_operands(x: torch.Tensor, weight_name: str, weight: torch.Tensor) -> None:
+    check_tensor("x", x, torch.bfloat16, (None, None))
+    if x.shape[1] == 0:
+        raise ValueError("x must have at least one column (H >= 1)")
+    check_tensor(weight_name, weight, torch.bfloat16, (None, x.shape[1]), x.device)
+
+
+def _check_out(out: torch.Tensor, dtype: torch.dtype, b: int, N: int, device) -> None:
+    """``out`` [b, N] of ``dtype``; its rows may be strided (a column slice of a wider
+    tensor), its columns must be adjacent."""
+    check_tensor("out", out, dtype, (b, N), device, contiguous=False)
+    if N > 1 and out.stride(1) != 1:
+        raise ValueError(f"out must have adjacent columns (stride 1), got strides "
+                         f"{tuple(out.stride())}")
+
+
+def _check_workspace(workspace, splits: int, b: int, N: int, device) -> torch.Tensor:
+    need = splits * b * N
+    if workspace is None:
+        return _shared_workspace(need, device)
+    check_tensor("workspace", workspace, torch.float32, None, device)
+    if workspace.numel() < need:
+        raise ValueError(f"workspace must hold at least {need} FP32 elements "
+                         f"({splits} splits x {b} x {N}), got {workspace.numel()}")
+    return workspace
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, epilogue, kernel: str,
+            workspace, config, beta: float = 1.0, linear_beta: float | None = None):
+    """``out`` = epilogue(x @ weight.T) for checked operands; see ``front_gemm``."""
+    b, H = x.shape
+    N = weight.shape[0]
+    if b == 0 or N == 0:
+        return out
+    cfg = {**DEFAULT, **config} if config is not None else launch_config(N, H, b, x.device,
+                                                                          kernel)
+    _check_config(cfg)
+    num_blocks, per_split, splits = _split_plan(H, cfg)
+    split_grid = bool(cfg["SPLIT_GRID"]) and splits > 1
+    out_view = out if out.dtype == torch.float32 else out.view(torch.int16)
+    scalars = dict(beta=float(beta),
+                   linear_beta=1.0 if linear_beta is None else float(linear_beta))
+    flags = dict(HAS_LINEAR_BETA=linear_beta is not None,
+                 # No FMA contraction: the epilogue's math must not depend on the code
+                 # around it (GEMM program or reduction kernel).
+                 enable_fp_fusion=False)
+    if split_grid:
+        workspace = _check_workspace(workspace, splits, b, N, x.device)
+        dst, dst_stride, dst_epilogue = workspace, N, EPI_F32
+    else:
+        dst, dst_stride, dst_epilogue = out_view, out.stride(0), epilogue
+    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(b, cfg["BLOCK_M"]),
+            splits if split_grid else 1)
+    _front_kernel[grid](
+        x_ptr=x, w_ptr=weight, dst_ptr=dst, b=b, N=N, H=H, num_blocks=num_blocks,
+        blocks_per_split=per_split, dst_stride=dst_stride, **scalars,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        SPLIT_GRID=split_grid, ONE_SEGMENT=split_grid or splits == 1,
+        EVEN_K=H % cfg["BLOCK_K"] == 0, EPILOGUE=dst_epilogue.value,
+        INTERPRET=_interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
+    if split_grid:
+        _front_reduce_kernel[(triton.cdiv(N, _REDUCE_N), triton.cdiv(b, _REDUCE_M))](
+            workspace, out_view, b, N, b * N, out.stride(0), **scalars, N_SPLITS=splits,
+            EPILOGUE=epilogue.value, BLOCK_N=_REDUCE_N, BLOCK_M=_REDUCE_M, num_warps=4,
+            **flags)
+    return out
+
+
 def front_gemm(x: torch.Tensor, packed: torch.Tensor, *, out: torch.Tensor | None = None,
                workspace: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``x @ packed.T`` for x BF16 [b, H] and packed BF16 [N, H]: FP32 [b, N], FP32
@@ -258,46 +397,78 @@ def front_gemm(x: torch.Tensor, packed: torch.Tensor, *, out: torch.Tensor | Non
     row's bits depend on nothing but that row of x (see the module docstring).
     ``out``: an FP32 [b, N] buffer to write. ``workspace``: an FP32 contiguous tensor of
     at least ``workspace_numel(b, N, H, config)`` elements for the split-K partials
-    (default: a buffer per device, reused across calls). ``config``: launch parameters,
-    missing keys from ``DEFAULT``, used as given: its BLOCK_K/SPLIT_K set the order, so
-    keep them fixed across batch widths (default: the tuned table for this GPU, see
+    (default: a buffer per device, reused across calls; calls that may run concurrently,
+    on other streams, must each pass their own). ``config``: launch parameters, missing
+    keys from ``DEFAULT``, used as given: its BLOCK_K/SPLIT_K set the order, so keep them
+    fixed across batch widths (default: the tuned table for this GPU, see
     ``launch_config``).
     """
-    check_tensor("x", x, torch.bfloat16, (None, None))
-    b, H = x.shape
-    if H == 0:
-        raise ValueError("x must have at least one column (H >= 1)")
-    check_tensor("packed", packed, torch.bfloat16, (None, H), x.device)
-    N = packed.shape[0]
+    _check_operands(x, "packed", packed)
+    b, N = x.shape[0], packed.shape[0]
     if out is None:
         out = torch.empty(b, N, dtype=torch.float32, device=x.device)
     check_tensor("out", out, torch.float32, (b, N), x.device)
-    if b == 0 or N == 0:
-        return out
-    cfg = {**DEFAULT, **config} if config is not None else launch_config(N, H, b, x.device)
-    _check_config(cfg)
-    num_blocks, per_split, splits = _split_plan(H, cfg)
-    split_grid = bool(cfg["SPLIT_GRID"]) and splits > 1
-    if split_grid:
-        need = splits * b * N
-        if workspace is None:
-            workspace = _shared_workspace(need, x.device)
-        check_tensor("workspace", workspace, torch.float32, None, x.device)
-        if workspace.numel() < need:
-            raise ValueError(f"workspace must hold at least {need} FP32 elements "
-                             f"({splits} splits x {b} x {N}), got {workspace.numel()}")
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(b, cfg["BLOCK_M"]),
-            splits if split_grid else 1)
-    _front_kernel[grid](
-        x, packed, workspace if split_grid else out, b, N, H, num_blocks, per_split,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT_GRID=split_grid, ONE_SEGMENT=split_grid or splits == 1,
-        EVEN_K=H % cfg["BLOCK_K"] == 0, INTERPRET=_interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if split_grid:
-        _front_reduce_kernel[(triton.cdiv(b * N, _REDUCE_BLOCK),)](
-            workspace, out, b * N, N_SPLITS=splits, BLOCK=_REDUCE_BLOCK, num_warps=4)
-    return out
+    return _launch(x, packed, out, EPI_F32, KERNEL, workspace, config)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, *, out: torch.Tensor | None = None,
+           accumulate: bool = False, kernel: str = "linear",
+           workspace: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """A BF16 linear on the front GEMM: BF16 [b, N] = ``bf16(x @ weight.T)`` for x BF16
+    [b, H] and weight BF16 [N, H], FP32 accumulation and one rounding to nearest even
+    (``F.linear``'s contract), batch invariant as ``front_gemm``.
+
+    ``accumulate``: ``out = bf16(fp32(out) + x @ weight.T)`` in place, one rounding
+    (``out.addmm_(x, weight.t())``'s contract); ``out`` is then required. ``out``: a
+    BF16 [b, N] buffer whose rows may be strided (e.g. a column slice of a wider tensor).
+    ``kernel``: the tuning table's name for this linear (each caller its own, so each
+    shape gets its own config and reduction keys). ``workspace``, ``config``: as in
+    ``front_gemm``."""
+    _check_operands(x, "weight", weight)
+    b, N = x.shape[0], weight.shape[0]
+    if out is None:
+        if accumulate:
+            raise ValueError("out must be given when accumulate is True (it is added to)")
+        out = torch.empty(b, N, dtype=torch.bfloat16, device=x.device)
+    _check_out(out, torch.bfloat16, b, N, x.device)
+    return _launch(x, weight, out, EPI_ADD_BF16 if accumulate else EPI_BF16, kernel,
+                   workspace, config)
+
+
+def _check_situ_params(beta, linear_beta) -> None:
+    def positive(name, v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (
+                math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+
+    positive("beta", beta)
+    if linear_beta is not None:
+        positive("linear_beta", linear_beta)
+
+
+def linear_situ(x: torch.Tensor, gate_up: torch.Tensor, beta: float,
+                linear_beta: float | None, *, out: torch.Tensor | None = None,
+                kernel: str = "linear_situ", workspace: torch.Tensor | None = None,
+                config: dict | None = None) -> torch.Tensor:
+    """A BF16 gate/up linear and SiTU in one pass: BF16 [b, N/2] = ``bf16(situ(g, u))``
+    with ``g = bf16(x @ gate_up[0::2].T)`` and ``u = bf16(x @ gate_up[1::2].T)`` (FP32
+    accumulation, each rounded once, as two BF16 linears' outputs), SiTU in FP32
+    (``reference.situ``) rounded once. Batch invariant as ``front_gemm``.
+
+    ``gate_up``: BF16 [N, H], N even, rows interleaved (row 2j gate j, row 2j+1 up j;
+    ``shared.interleave_gate_up`` makes it from the stock [gate rows; up rows]).
+    ``beta``, ``linear_beta``: SiTU's parameters (linear_beta None: no clamp of u).
+    ``out``: a BF16 [b, N/2] buffer (rows may be strided). ``kernel``, ``workspace``,
+    ``config``: as in ``linear``."""
+    _check_operands(x, "gate_up", gate_up)
+    b, N = x.shape[0], gate_up.shape[0]
+    if N % 2:
+        raise ValueError(f"gate_up must have an even number of rows (gate/up pairs), got {N}")
+    _check_situ_params(beta, linear_beta)
+    if out is None:
+        out = torch.empty(b, N // 2, dtype=torch.bfloat16, device=x.device)
+    _check_out(out, torch.bfloat16, b, N // 2, x.device)
+    return _launch(x, gate_up, out, EPI_SITU, kernel, workspace, config, beta, linear_beta)
 
 
 def pack_front(gate_weight: torch.Tensor, latent_down: torch.Tensor, rank: int,

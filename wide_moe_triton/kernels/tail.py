@@ -1,11 +1,13 @@
-"""The tail's RMSNorm of the fully reduced latent: ``bf16(x * rsqrt(mean(x^2) + eps) * w)``.
+"""The tail: the RMSNorm of the fully reduced latent, ``bf16(x * rsqrt(mean(x^2) + eps) *
+w)``, and the latent up-projection added into the shared partial (``add_up_projection``,
+a front GEMM with an accumulating epilogue, see kernels/front.py).
 
-Computed in FP32 with one rounding, in the stock path's order: the mean is the FP32 sum
-of squares divided by L, the inverse root is ``1 / sqrt`` with both steps correctly
-rounded (as torch's CPU ``rsqrt`` is; not the hardware's approximate ``rsqrt``), and
-the product is ``(x * inv) * w``. Only the order of the sum of squares differs from
-``reference.rms_norm``. One program normalizes whole rows: a row (3584 columns in
-production) fits in registers, so x is read from memory once.
+The RMSNorm is computed in FP32 with one rounding, in the stock path's order: the mean
+is the FP32 sum of squares divided by L, the inverse root is ``1 / sqrt`` with both
+steps correctly rounded (as torch's CPU ``rsqrt`` is; not the hardware's approximate
+``rsqrt``), and the product is ``(x * inv) * w``. Only the order of the sum of squares
+differs from ``reference.rms_norm``. One program normalizes whole rows: a row (3584
+columns in production) fits in registers, so x is read from memory once.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..tuning import config_for
+from . import front
 from .bits import bf16_bits_to_f32, f32_to_bf16_bits
 
 KERNEL = "rms_norm"
+KERNEL_UP = "latent_up"  # the up-projection's tuning name (a front GEMM, see front.py)
 DEFAULT = {"BLOCK_T": 1, "num_warps": 4}
 # No more rows than warps: at L = 3584 (4096 lanes) fewer warps spill the row tile.
 SPACE = [{"BLOCK_T": t, "num_warps": w} for t in (1, 2, 4) for w in (2, 4, 8, 16) if t <= w]
@@ -88,3 +92,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
         float(eps), BLOCK_T=cfg["BLOCK_T"], BLOCK_L=triton.next_power_of_2(L),
         num_warps=cfg["num_warps"])
     return out
+
+
+def add_up_projection(normed: torch.Tensor, latent_up: torch.Tensor, shared: torch.Tensor, *,
+                      workspace: torch.Tensor | None = None,
+                      config: dict | None = None) -> torch.Tensor:
+    """``shared = bf16(fp32(shared) + normed @ latent_up.T)`` in place: FP32 accumulation,
+    one rounding, the stock tail's contract; returns ``shared``.
+
+    On the front GEMM (``front.linear``, tuning kernel ``latent_up``), not a BLAS
+    ``addmm_``: its reduction order is fixed per shape, so a row's bits do not depend on
+    the batch. ``normed``: BF16 [b, L]. ``latent_up``: BF16 [N, L], this rank's rows of
+    the up-projection. ``shared``: BF16 [b, N], rows may be strided (this rank's columns
+    of the shared partial [b, H]). ``workspace``, ``config``: as in ``front.front_gemm``."""
+    check_tensor("normed", normed, torch.bfloat16, (None, None))
+    check_tensor("latent_up", latent_up, torch.bfloat16, (None, normed.shape[1]), normed.device)
+    check_tensor("shared", shared, torch.bfloat16, (normed.shape[0], latent_up.shape[0]),
+                 normed.device, contiguous=False)
+    return front.linear(normed, latent_up, out=shared, accumulate=True, kernel=KERNEL_UP,
+                        workspace=workspace, config=config)
