@@ -94,6 +94,18 @@ def bench_eager(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
+def bench_once(fn) -> float:
+    """Seconds of one ``fn`` call after one warm-up (for the stock path, whose calls take
+    up to seconds: do_bench's repetitions would cost minutes of device time)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e-3
+
+
 def record(shape, b, stage, impl, seconds, nbytes, machine, flops=0.0, check=""):
     floor = max(nbytes / machine.copy_bw, flops / machine.bf16_flops)
     ROWS.append(dict(shape=shape, b=b, stage=stage, impl=impl, us=seconds * 1e6,
@@ -394,8 +406,8 @@ def whole_layer(stock, batches, machine, label="tp1"):
                    check="= eager" if same_graph else "!= eager")
         except Exception as err2:
             print(f"   graph capture failed: {type(err2).__name__}: {str(err2)[:200]}")
-        record(label, b, "layer", "LatentMoE (stock)", bench_eager(lambda: stock(xs[next(it) % 4])),
-               nb, machine)
+        record(label, b, "layer", "LatentMoE (stock)", bench_once(lambda: stock(xs[1])), nb,
+               machine)
         print_rows(label, b)
 
 
