@@ -175,11 +175,9 @@ def lane_groups(x, G: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def expert_index(S: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
-    """(expert id, bit in its group's mask) [1, S, G, V] of each place of the view."""
-    s = tl.arange(0, S)[None, :, None, None]
-    v = tl.arange(0, V)[None, None, None, :]
-    return (s * G + tl.arange(0, G)[None, None, :, None]) * V + v, s * V + v
+def expert_bit(S: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
+    """[1, S, 1, V]: the bit of expert (s*G + g)*V + v in its group's mask, s*V + v."""
+    return tl.arange(0, S)[None, :, None, None] * V + tl.arange(0, V)[None, None, None, :]
 
 
 @triton.jit
@@ -205,16 +203,14 @@ def threshold(lower, TOP_K: tl.constexpr):
 def candidate_masks(bits, bias, valid, bit, TOP_K: tl.constexpr):
     """int32 [BT, G]: bit ``bit`` of a group's mask set for each expert that may be among
     the TOP_K, its upper bound reaching ``threshold``; ``bits`` (FP32 logits bits),
-    ``bias``, ``valid`` [BT, S, G, V].
+    ``bias`` (-inf where not ``valid``), ``valid`` [BT, S, G, V].
 
     In FP32 order, not the keys': the keys only split -0 from +0, which can only add
-    candidates here, and NaN (as -inf) is never chosen over TOP_K larger choices: a NaN
-    bound counts as -inf, and a threshold of -inf takes every expert."""
+    candidates here. A NaN bound counts as -inf (``maximum`` drops a NaN operand), as a
+    NaN choice ranks: it can only be chosen when the threshold is -inf."""
     lo, hi = sigmoid_bounds(bits.to(tl.float32, bitcast=True))
-    lower = lo + bias
-    lower = tl.where(valid & (lower == lower), lower, -float("inf"))
-    least = threshold(lower, TOP_K)
-    cand = valid & ((hi + bias >= least) | (least == -float("inf")))
+    least = threshold(tl.maximum(lo + bias, -float("inf")), TOP_K)
+    cand = valid & (tl.maximum(hi + bias, -float("inf")) >= least)
     flags = tl.where(cand, 1 << bit, 0)
     return tl.reduce(tl.reduce(flags, 3, bit_or), 1, bit_or)
 
@@ -388,12 +384,12 @@ def route_rows(program, programs, src_ptr, src_row_stride, src_offset, src_parit
         mb.record_missing(error_ptr, empty, e // experts_per_rank + t[:, :, None] * 0, parity)
     else:
         bits = tl.load(src_ptr + row[:, :, None] + e, mask=in_row, other=0)
-    # A full-shape bias load: the logits' layout, one row a warp, holds for both.
-    bias = tl.load(bias_ptr + e + t[:, :, None] * 0, mask=in_row, other=0.0)
-    expert, bit = expert_index(S, G, V)
-    bits, bias = lane_groups(bits, G, V), lane_groups(bias, G, V)
-    valid = (t[:, :, None, None] < rows) & (expert < E)
-    masks = candidate_masks(bits, bias, valid, bit, TOP_K)
+    # A full-shape bias load: the logits' layout, one row a warp, holds for both. -inf
+    # past the row: no lower bound there reaches the threshold.
+    bias = tl.load(bias_ptr + e + t[:, :, None] * 0, mask=in_row, other=-float("inf"))
+    bit = expert_bit(S, G, V)
+    masks = candidate_masks(lane_groups(bits, G, V), lane_groups(bias, G, V),
+                            lane_groups(in_row, G, V), bit, TOP_K)
     select(src_ptr, row, bias_ptr, masks, t, rows, ids_ptr, w_ptr, scale, counts_ptr,
            pairs_ptr, list_gen_ptr, E, wide_rows, TOP_K, RENORMALIZE, CLAIM, POLLED,
            CANDIDATES, KEPT, G, V)
