@@ -104,8 +104,9 @@ def mailbox_tile(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows,
     parity = tl.load(gen_ptr) & 1
     ptrs = (mb_ptr + parity.to(tl.int64) * parity_stride
             + r[:, None].to(tl.int64) * row_stride + c[None, :])
-    owner = tl.zeros_like(r)[:, None] + c[None, :] // latent_per_rank
-    bits = mb.take(ptrs, mask, owner, spin_limit, error_ptr, parity, mb.EMPTY_HALF)
+    column = tl.zeros_like(r)[:, None] + c[None, :]
+    bits = mb.take(ptrs, mask, column, latent_per_rank, spin_limit, error_ptr, parity,
+                   mb.EMPTY_HALF)
     store_tile(q_ptr, s_ptr, r, c, tile_c, rows, cols, bf16_bits_to_f32(bits), BLOCK_ROWS,
                BLOCK_COLS)
 

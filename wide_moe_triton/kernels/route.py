@@ -381,7 +381,7 @@ def route_rows(program, programs, src_ptr, src_row_stride, src_offset, src_parit
         row += parity.to(tl.int64) * src_parity_stride
         words = src_ptr + row[:, :, None] + e
         bits, empty = mb.poll(words, in_row, spin_limit, mb.EMPTY_WORD)
-        mb.record_missing(error_ptr, empty, e // experts_per_rank + t[:, :, None] * 0, parity)
+        mb.record_missing(error_ptr, empty, e + t[:, :, None] * 0, experts_per_rank, parity)
     else:
         bits = tl.load(src_ptr + row[:, :, None] + e, mask=in_row, other=0)
     # A full-shape bias load: the logits' layout, one row a warp, holds for both. -inf
@@ -520,13 +520,14 @@ def _launch(logits: _Logits, bias, top_k, renormalize, scale, lists, ids, weight
     # Programs [0, route): the rows (one at least: the idle parity's counters need zeroing);
     # programs [route, route + tiles): the plan's tiles.
     route_programs = max(1, triton.cdiv(rows, cfg["BLOCK_T"]))
-    tiles = col_tiles = 1
+    tiles, col_tiles = 0, 1
     if latent is not None:
         col_tiles = triton.cdiv(latent.columns, cfg["BLOCK_COLS"])
         tiles = triton.cdiv(rows, cfg["BLOCK_ROWS"]) * col_tiles
+    # A route alone passes placeholders for the plan's arguments (PLAN=False: never read).
     plan = latent or _Latent(ids, 0, 32, (ids, ids))
     polled = logits.generation is not None
-    _route_kernel[(route_programs + (tiles if latent is not None else 0),)](
+    _route_kernel[(route_programs + tiles,)](
         logits.src, logits.row_stride, logits.offset, logits.parity_stride,
         logits.generation if polled else ids, logits.error if polled else ids,
         logits.spin_limit, logits.experts_per_rank,
