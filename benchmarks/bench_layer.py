@@ -162,26 +162,38 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
                 lambda: torch.mm(x, copies[next(it) % len(copies)].t(), out_dtype=torch.float32)),
                 nb, machine)
             dense_linears(label, b, w, cfg_t, x, gen, machine, with_peers)
-        # route + claims (plain logits) and plan (plain latent)
+        # route + claims (plain logits) and plan (plain latent): one launch, as the layer
+        # runs them (route_and_plan; the layer's polled variant reads the same rows out of
+        # the mailbox), and the two stages' own launches for comparison
         logits, bias = routed_ids(cfg_t, b, gen, dev)
-        ids, weights = route_k.route(logits, bias, K, True, cfg_t.routed_scaling_factor,
-                                     lists=lists)
+        latent = torch.randn(b, L, generator=gen, device=dev).bfloat16()
+        ids, weights, q, qs = route_k.route_and_plan(
+            logits, latent, bias, K, True, cfg_t.routed_scaling_factor, lists=lists)
         rid, rw = reference.route(logits, bias, K, True, cfg_t.routed_scaling_factor)
         ok = torch.equal(ids, rid) and torch.equal(weights, rw)
-        latent = torch.randn(b, L, generator=gen, device=dev).bfloat16()
-        q, qs = plan_k.quantize_mxfp8(latent)
         rq, rqs = mx.quantize_mxfp8(latent)
         ok_plan = torch.equal(q, rq) and torch.equal(qs, rqs)
+        alone = route_k.route(logits, bias, K, True, cfg_t.routed_scaling_factor)
+        ok_alone = torch.equal(alone[0], rid) and torch.equal(alone[1], rw)
         nb_route = logits.numel() * 4 + ids.numel() * 6 + b * K * 4
         nb_plan = latent.numel() * 2 + q.numel() + qs.numel()
-        if ok and ok_plan and not experts_only:
-            def route_plan():
+        if ok and ok_plan and ok_alone and not experts_only:
+            record(label, b, "route+claims+plan", "triton", bench(
+                lambda: route_k.route_and_plan(logits, latent, bias, K, True, 1.0, lists=lists,
+                                               ids=ids, weights=weights, out=(q, qs))),
+                nb_route + nb_plan, machine, check="bitwise")
+
+            def two_launches():
                 route_k.route(logits, bias, K, True, 1.0, lists=lists, ids=ids, weights=weights)
                 plan_k.quantize_mxfp8(latent, out=(q, qs))
-            record(label, b, "route+claims+plan", "triton", bench(route_plan),
+            record(label, b, "route+claims+plan", "triton, 2 launches", bench(two_launches),
                    nb_route + nb_plan, machine, check="bitwise")
-        elif not (ok and ok_plan):
-            print(f"!! {label} b={b}: route ok={ok} plan ok={ok_plan}: not timed")
+            record(label, b, "route+claims", "triton", bench(
+                lambda: route_k.route(logits, bias, K, True, 1.0, lists=lists, ids=ids,
+                                      weights=weights)), nb_route, machine, check="bitwise")
+        elif not (ok and ok_plan and ok_alone):
+            print(f"!! {label} b={b}: route ok={ok} plan ok={ok_plan} route alone ok={ok_alone}:"
+                  " not timed")
         # experts over the lists just claimed (generation 0 parity)
         lists.generation.zero_()
         lists.counts.zero_()

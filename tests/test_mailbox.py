@@ -40,20 +40,23 @@ class Ranks:
                   self.generation, self.latent, self.experts, wide_rows=WIDE_ROWS,
                   config=PUBLISH_CFG)
 
-    def read(self, rank, rows, bias, top_k, error, spin_limit=16, lists=None):
+    def read(self, rank, rows, bias, top_k, error, spin_limit=16, lists=None, shared=False):
         """The polled route (claiming into ``lists`` if given) and plan of rank ``rank``,
-        outputs poisoned first."""
+        outputs poisoned first: two launches, or one ``shared`` launch."""
         ids = poison(torch.empty(rows, top_k, dtype=torch.int32, device=DEVICE))
         weights = poison(torch.empty(rows, top_k, dtype=torch.bfloat16, device=DEVICE))
-        R.route_mailbox(self.buffers[rank], self.generation, rows, bias, top_k, True, 2.5,
-                        latent=self.latent, world=self.world, error=error,
-                        spin_limit=spin_limit, lists=lists, ids=ids, weights=weights,
-                        config=ROUTE_CFG)
         out = (poison(torch.empty(rows, self.latent, dtype=torch.uint8, device=DEVICE)),
                poison(torch.empty(rows, self.latent // 32, dtype=torch.uint8, device=DEVICE)))
-        P.quantize_mxfp8_mailbox(self.buffers[rank], self.generation, rows, latent=self.latent,
-                                 world=self.world, error=error, spin_limit=spin_limit,
-                                 out=out, config=PLAN_CFG)
+        poll = dict(latent=self.latent, world=self.world, error=error, spin_limit=spin_limit)
+        buf, gen = self.buffers[rank], self.generation
+        if shared:
+            R.route_and_plan_mailbox(buf, gen, rows, bias, top_k, True, 2.5, lists=lists,
+                                     ids=ids, weights=weights, out=out,
+                                     config=dict(ROUTE_CFG, **PLAN_CFG), **poll)
+        else:
+            R.route_mailbox(buf, gen, rows, bias, top_k, True, 2.5, lists=lists, ids=ids,
+                            weights=weights, config=ROUTE_CFG, **poll)
+            P.quantize_mxfp8_mailbox(buf, gen, rows, out=out, config=PLAN_CFG, **poll)
         return ids, weights, out[0], out[1]
 
     def parity_is_empty(self, rank: int, parity: int) -> bool:
@@ -92,10 +95,11 @@ def assert_read_matches(ids, weights, q, s, logits, lat, bias, top_k):
 
 @settings(max_examples=max(settings().max_examples, 24))
 @given(seed=st.integers(0, 2**31 - 1), world=st.sampled_from([1, 2, 4]),
-       rows=st.integers(1, WIDE_ROWS), experts=st.sampled_from([16, 24]),
-       top_k=st.sampled_from([4, 16]), generation=st.integers(0, 3), specials=st.booleans())
+       rows=st.integers(1, WIDE_ROWS), experts=st.sampled_from([16, 24, 128]),
+       top_k=st.sampled_from([4, 16]), generation=st.integers(0, 3), specials=st.booleans(),
+       shared=st.booleans())
 def test_every_rank_reads_the_unsharded_route_and_plan(seed, world, rows, experts, top_k,
-                                                       generation, specials):
+                                                       generation, specials, shared):
     latent = 128
     ranks = Ranks(world, latent, experts, generation)
     parity = generation & 1
@@ -111,7 +115,8 @@ def test_every_rank_reads_the_unsharded_route_and_plan(seed, world, rows, expert
     error = M.new_error_record(DEVICE)
     for r in range(world):
         lists = R.RoutingLists.empty(experts, WIDE_ROWS, DEVICE, generation=ranks.generation)
-        ids, weights, q, s = ranks.read(r, rows, bias, top_k, error, lists=lists)
+        ids, weights, q, s = ranks.read(r, rows, bias, top_k, error, lists=lists,
+                                        shared=shared)
         assert_read_matches(ids, weights, q, s, logits, lat, bias, top_k)
         counts, pairs = lists.counts[parity].cpu(), lists.pairs[parity].cpu()
         for e in range(experts):
@@ -181,8 +186,9 @@ def test_publish_rounds_like_torch_and_copies_logit_bits(seed, world, rows):
         assert torch.equal(buf[0].cpu(), ranks.fresh[0].cpu())               # other parity
 
 
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("missing, generation", [(1, 0), (3, 1), (0, 1)])
-def test_a_rank_that_never_publishes_times_out_and_is_named(missing, generation):
+def test_a_rank_that_never_publishes_times_out_and_is_named(missing, generation, shared):
     world, latent, experts, rows = 4, 128, 16, 5
     ranks = Ranks(world, latent, experts, generation)
     logits, lat = inputs(11, rows, experts, latent, False)
@@ -191,7 +197,7 @@ def test_a_rank_that_never_publishes_times_out_and_is_named(missing, generation)
             ranks.publish(r, logits.to(DEVICE), lat.to(DEVICE))
     error = M.new_error_record(DEVICE)
     bias = torch.zeros(experts, device=DEVICE)
-    ids, weights, q, s = ranks.read(2, rows, bias, 4, error, spin_limit=3)
+    ids, weights, q, s = ranks.read(2, rows, bias, 4, error, spin_limit=3, shared=shared)
     assert error.tolist() == [1 << missing, (generation & 1) + 1]
     assert ((ids >= 0) & (ids < experts)).all()
     assert ranks.parity_is_empty(2, generation & 1)  # re-armed even so
@@ -201,7 +207,7 @@ def test_a_rank_that_never_publishes_times_out_and_is_named(missing, generation)
     # The late rank catches up; the next call of that parity works again.
     for r in range(world):
         ranks.publish(r, logits.to(DEVICE), lat.to(DEVICE))
-    ids, weights, q, s = ranks.read(2, rows, bias, 4, error, spin_limit=3)
+    ids, weights, q, s = ranks.read(2, rows, bias, 4, error, spin_limit=3, shared=shared)
     assert error.tolist() == [0, 0]
     assert_read_matches(ids, weights, q, s, logits, lat, bias, 4)
 

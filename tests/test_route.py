@@ -2,11 +2,13 @@
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import DEVICE, poison
-from wide_moe_triton import reference
+from wide_moe_triton import mx, reference
 from wide_moe_triton.kernels import route as R
 
 # Few programs per launch: the interpreter's cost is per program.
@@ -135,6 +137,174 @@ def test_nan_and_inf_choices_rank_as_reference():
         ids, weights = R.route(logits.to(DEVICE), bias.to(DEVICE), top_k, True, 1.0,
                                config=FAST)
         assert_route_matches(logits, bias, top_k, True, 1.0, ids, weights)
+
+
+# Rows of many experts a group (E = 896: 32 groups of 32, the production tiling), so that
+# the candidate masks, the pool and its extra batches all take part; CANDIDATES 1 and 2
+# make extra batches common.
+POOLED = [{"BLOCK_T": 1, "CANDIDATES": c, "num_warps": 1, "ZERO_BLOCK": 128}
+          for c in (1, 2, 4, 8)] + [{"BLOCK_T": 4, "CANDIDATES": 4, "num_warps": 4,
+                                     "ZERO_BLOCK": 64}]
+
+
+def routed(logits, bias, top_k, renormalize, scale, config, lists=None):
+    """``R.route`` into poisoned outputs (every slot must be written)."""
+    rows = logits.shape[0]
+    ids = poison(torch.empty(rows, top_k, dtype=torch.int32, device=DEVICE))
+    weights = poison(torch.empty(rows, top_k, dtype=torch.bfloat16, device=DEVICE))
+    return R.route(logits, bias, top_k, renormalize, scale, lists=lists, ids=ids,
+                   weights=weights, config=config)
+
+
+@settings(max_examples=max(settings().max_examples, 16))
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 9),
+       experts=st.sampled_from([96, 200, 896]), top_k=st.sampled_from([1, 16, 48]),
+       kind=kind_st, bias_kind=bias_st, renormalize=st.booleans(),
+       config=st.sampled_from(POOLED))
+def test_pooled_candidates_match_reference(seed, rows, experts, top_k, kind, bias_kind,
+                                           renormalize, config):
+    logits = make_logits(seed, rows, experts, kind).to(DEVICE)
+    bias = make_bias(seed, experts, bias_kind).to(DEVICE)
+    ids, weights = routed(logits, bias, top_k, renormalize, 2.827, config)
+    assert_route_matches(logits, bias, top_k, renormalize, 2.827, ids, weights)
+
+
+def one_group(experts: int, lane: int) -> list[int]:
+    """The experts of lane ``lane``'s group in ``R.expert_tiling``'s layout."""
+    slices, groups, width = R.expert_tiling(experts)
+    members = [(s * groups + lane) * width + v for s in range(slices) for v in range(width)]
+    return [e for e in members if e < experts]
+
+
+@pytest.mark.parametrize("candidates", [1, 4])
+@pytest.mark.parametrize("spread", ["distinct", "tied", "integer"])
+def test_candidates_crowded_into_one_group(candidates, spread):
+    """The best experts all in one group, more than a batch of the pool: the batches
+    carry the best so far, ties still go to the lower id, slots stay in order."""
+    experts, top_k = 896, 16
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, experts, generator=gen)
+    group = one_group(experts, lane=5)
+    assert len(group) == 28  # 7 of the 8 slices hold experts
+    if spread == "distinct":
+        logits[:, group] = 4.0 + torch.rand(3, len(group), generator=gen)
+    elif spread == "tied":
+        logits[:, group] = 4.0
+    else:  # a few levels, each held by several experts of the group
+        logits[:, group] = 4.0 + torch.randint(0, 3, (3, len(group)), generator=gen).float()
+    logits[1, one_group(experts, lane=30)] = 4.5  # a second crowded group
+    bias = torch.zeros(experts)
+    config = {"BLOCK_T": 1, "CANDIDATES": candidates, "num_warps": 1, "ZERO_BLOCK": 128}
+    ids, weights = routed(logits.to(DEVICE), bias.to(DEVICE), top_k, True, 1.0, config)
+    assert_route_matches(logits, bias, top_k, True, 1.0, ids, weights)
+
+
+@pytest.mark.parametrize("experts", [64, 100])
+def test_every_expert_chosen_with_ties(experts):
+    """K = E over groups of several experts: every expert is a candidate, every slot
+    is filled, in reference order (integer logits: ties everywhere)."""
+    logits = make_logits(3, 5, experts, "ties").to(DEVICE)
+    bias = make_bias(3, experts, "ties").to(DEVICE)
+    for config in (POOLED[0], POOLED[2]):
+        ids, weights = routed(logits, bias, experts, True, 1.0, config)
+        assert_route_matches(logits, bias, experts, True, 1.0, ids, weights)
+
+
+def test_nan_rows_and_extreme_logits_over_many_experts():
+    """NaN rows (every expert a candidate), saturated and subnormal scores, and huge
+    biases, at the production tiling."""
+    experts = 896
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(7, experts, generator=gen) * 3.0
+    logits[0] = NAN
+    logits[1, ::2] = NAN
+    logits[2] = torch.linspace(-110.0, 110.0, experts)     # scores from 1e-48 to 1
+    logits[3] = -100.0 + torch.randn(experts, generator=gen)  # only subnormal scores
+    logits[4] = INF
+    logits[5, :20] = -INF
+    bias = make_bias(4, experts, "normal")
+    bias[::97] = 1e30
+    bias[1::89] = -INF
+    for config in POOLED[:3]:
+        ids, weights = routed(logits.to(DEVICE), bias.to(DEVICE), 16, True, 2.5, config)
+        assert_route_matches(logits, bias, 16, True, 2.5, ids, weights)
+
+
+@triton.jit
+def _bounds_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + i, mask=i < n, other=0.0)
+    lo, hi = R.sigmoid_bounds(x)
+    tl.store(out_ptr + i, lo, mask=i < n)
+    tl.store(out_ptr + n + i, R.sigmoid_rn(x), mask=i < n)
+    tl.store(out_ptr + 2 * n + i, hi, mask=i < n)
+
+
+def test_sigmoid_bounds_bracket_the_exact_score():
+    """lo <= sigmoid_rn(x) <= hi over the whole FP32 range (NaN in, NaN out): what makes
+    the candidates a superset of the top-K."""
+    gen = torch.Generator().manual_seed(8)
+    bits = torch.randint(-2**31, 2**31, (3000,), generator=gen, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    near = torch.cat([torch.linspace(-110, 40, 800), torch.randn(400, generator=gen) * 20])
+    fixed = torch.tensor([0.0, -0.0, INF, -INF, NAN, 88.72, -88.72, -87.3, -103.97,
+                          -104.0, -126.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 17.0, 16.63])
+    x = torch.cat([fixed, near, x]).contiguous()
+    n = x.numel()
+    out = torch.empty(3 * n, device=DEVICE)
+    _bounds_kernel[(1,)](x.to(DEVICE), out, n, BLOCK=triton.next_power_of_2(n))
+    lo, exact, hi = out.cpu().view(3, n)
+    assert torch.equal(exact[~x.isnan()], reference.router_scores(x)[~x.isnan()])
+    real = ~exact.isnan()
+    assert (lo[real] <= exact[real]).all() and (exact[real] <= hi[real]).all()
+    assert lo[~real].isnan().all() and hi[~real].isnan().all()
+
+
+@pytest.mark.parametrize("experts", [16, 24, 896])
+def test_expert_tiling_covers_the_row_in_lane_groups(experts):
+    slices, groups, width = R.expert_tiling(experts)
+    assert slices * groups * width == triton.next_power_of_2(experts)
+    assert slices * width <= 32  # a group's candidates fit an int32 mask
+    assert groups >= min(32, triton.next_power_of_2(experts))
+
+
+PLANNED = [dict(POOLED[2], BLOCK_ROWS=2, BLOCK_COLS=128),
+           {"BLOCK_T": 4, "CANDIDATES": 2, "num_warps": 4, "ZERO_BLOCK": 8, "BLOCK_ROWS": 8,
+            "BLOCK_COLS": 64}]
+
+
+@given(seed=st.integers(0, 2**31 - 1), rows=st.integers(0, 24),
+       experts=st.sampled_from([24, 200]), config=st.sampled_from(PLANNED),
+       generation=st.integers(0, 3))
+def test_route_and_plan_equal_their_stages(seed, rows, experts, config, generation):
+    """One launch, each output bit-identical to its own stage, every pair listed once."""
+    top_k, latent = 8, 192
+    logits = make_logits(seed, rows, experts, "specials").to(DEVICE)
+    bias = make_bias(seed, experts, "normal").to(DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    lat = (torch.randn(rows, latent, generator=gen) * 10).bfloat16().to(DEVICE)
+    lists = R.RoutingLists.empty(experts, 32, DEVICE)
+    lists.generation.fill_(generation)
+    lists.counts[1 - (generation & 1)].fill_(7)
+    out = (poison(torch.empty(rows, latent, dtype=torch.uint8, device=DEVICE)),
+           poison(torch.empty(rows, latent // 32, dtype=torch.uint8, device=DEVICE)))
+    ids = poison(torch.empty(rows, top_k, dtype=torch.int32, device=DEVICE))
+    weights = poison(torch.empty(rows, top_k, dtype=torch.bfloat16, device=DEVICE))
+    got = R.route_and_plan(logits, lat, bias, top_k, True, 2.827, lists=lists, ids=ids,
+                           weights=weights, out=out, config=config)
+    assert_route_matches(logits, bias, top_k, True, 2.827, got[0], got[1])
+    ref_q, ref_s = mx.quantize_mxfp8(lat.cpu())
+    assert torch.equal(got[2].cpu(), ref_q) and torch.equal(got[3].cpu(), ref_s)
+    assert listed_pairs(lists, generation & 1) == expected_pairs(got[0], experts)
+    assert (lists.counts[1 - (generation & 1)] == 0).all()
+
+
+def test_route_and_plan_argument_errors():
+    logits, bias = torch.zeros(4, 16, device=DEVICE), torch.zeros(16, device=DEVICE)
+    with pytest.raises(ValueError, match="latent"):
+        R.route_and_plan(logits, torch.zeros(3, 64, device=DEVICE), bias, 4, True, 1.0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        R.route_and_plan(logits, torch.zeros(4, 48, device=DEVICE), bias, 4, True, 1.0)
 
 
 def searched_rows(experts: int, count: int, differs) -> torch.Tensor:

@@ -6,8 +6,8 @@ One call (DESIGN.md), per rank r of T:
                                                                      kernels/shared)
     front stream  front = x @ packed_r.T                            (FP32, kernels/front)
                   publish front into every rank's mailbox row       (kernels/mailbox)
-                  ids, weights = route(polled logits) + list claims (kernels/route)
-                  plan = mxfp8(polled latent)                       (kernels/plan)
+                  ids, weights = route(polled logits) + list claims (kernels/route,
+                  plan = mxfp8(polled latent)                        one launch with the plan)
                   rows = experts(plan, lists)                       (kernels/experts)
                   latent_out = finalize(rows, weights); generation += 1
     main stream   latent = all_reduce(latent_out); normed = rms_norm(latent)
@@ -40,7 +40,6 @@ from .kernels import experts as experts_k
 from .kernels import finalize as finalize_k
 from .kernels import front as front_k
 from .kernels import mailbox as mailbox_k
-from .kernels import plan as plan_k
 from .kernels import route as route_k
 from .kernels import shared as shared_k
 from .kernels import tail as tail_k
@@ -201,12 +200,10 @@ class WideMoE(nn.Module):
         s, cfg = self.scratch, self.cfg
         poll = dict(latent=cfg.latent, world=self.world, error=s.error,
                     spin_limit=self.spin_limit)
-        ids, weights = route_k.route_mailbox(
+        ids, weights, q, q_scales = route_k.route_and_plan_mailbox(
             s.mailbox, s.lists.generation, b, self.bias, cfg.top_k, cfg.renormalize,
             cfg.routed_scaling_factor, lists=s.lists, ids=s.ids[:b], weights=s.weights[:b],
-            **poll)
-        q, q_scales = plan_k.quantize_mxfp8_mailbox(
-            s.mailbox, s.lists.generation, b, out=(s.plan[0][:b], s.plan[1][:b]), **poll)
+            out=(s.plan[0][:b], s.plan[1][:b]), **poll)
         rows = experts_k.experts(q, q_scales, self.experts, s.lists.counts, s.lists.pairs,
                                  s.lists.generation, cfg.top_k, cfg.beta, cfg.linear_beta,
                                  rows=s.rows[:b * cfg.top_k], workspace=s.hidden)

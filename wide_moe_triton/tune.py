@@ -91,8 +91,16 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     yield Case(rk.KERNEL, rk.shape_key(E, K), rk.SPACE, rk.DEFAULT, route, _equal(ids_ref))
 
     latent = rnd(b, L).bfloat16()
+    plan_ref = mx.quantize_mxfp8(latent)
     yield Case(pk.KERNEL, pk.shape_key(L), pk.SPACE, pk.DEFAULT,
-               lambda c: pk.quantize_mxfp8(latent, config=c), _equal(mx.quantize_mxfp8(latent)))
+               lambda c: pk.quantize_mxfp8(latent, config=c), _equal(plan_ref))
+
+    def route_plan(c):  # the layer's launch: route, claims and plan together
+        lists.counts.zero_()
+        return rk.route_and_plan(logits, latent, bias, K, True, cfg.routed_scaling_factor,
+                                 lists=lists, config=c)
+    yield Case(rk.KERNEL_PLAN, rk.shape_key(E, K, L), rk.SPACE_PLAN, rk.DEFAULT_PLAN,
+               route_plan, _equal((*ids_ref, *plan_ref)))
 
     ids, _ = ids_ref
     q, qs = mx.quantize_mxfp8(latent)

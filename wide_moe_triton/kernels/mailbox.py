@@ -182,10 +182,13 @@ def poll(ptrs, mask, spin_limit, SENTINEL: tl.constexpr):
 
 
 @triton.jit
-def record_missing(error_ptr, empty, owner, parity):
+def record_missing(error_ptr, empty, column, per_rank, parity):
     """OR ``1 << owner`` of every still-empty word into error[0] and set error[1] to
-    parity + 1; nothing when no word is empty."""
+    parity + 1; nothing when no word is empty. A word's owner is the rank of its
+    ``column`` (same shape as ``empty``), ``per_rank`` columns a rank: divided here, on
+    the timeout path only, not on every poll."""
     if tl.max(empty.to(tl.int32)) != 0:
+        owner = column // per_rank
         tl.atomic_or(error_ptr + tl.zeros_like(owner), 1 << owner, mask=empty, sem="relaxed")
         tl.atomic_xchg(error_ptr + 1, parity + 1, sem="relaxed")
 
@@ -200,13 +203,14 @@ def rearm(ptrs, mask, SENTINEL: tl.constexpr):
 
 
 @triton.jit
-def take(ptrs, mask, owner, spin_limit, error_ptr, parity, SENTINEL: tl.constexpr):
+def take(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity,
+         SENTINEL: tl.constexpr):
     """The words at ``ptrs`` (where ``mask``) once published, the mailbox re-armed behind
-    them. ``owner`` (int32, same shape) is the rank whose columns each word is; on a
-    timeout the still-empty words are returned as read (the sentinel) and their owners
-    recorded in ``error_ptr`` (see ``record_missing``)."""
+    them. ``column`` (int32, same shape) is each word's column, ``per_rank`` columns a
+    rank; on a timeout the still-empty words are returned as read (the sentinel) and
+    their owners recorded in ``error_ptr`` (see ``record_missing``)."""
     values, empty = poll(ptrs, mask, spin_limit, SENTINEL)
-    record_missing(error_ptr, empty, owner, parity)
+    record_missing(error_ptr, empty, column, per_rank, parity)
     rearm(ptrs, mask, SENTINEL)
     return values
 

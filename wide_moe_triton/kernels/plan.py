@@ -7,7 +7,9 @@ differ between backends (Triton's interpreter rounds ties away from zero).
 
 ``quantize_mxfp8`` quantizes a tensor; ``quantize_mxfp8_mailbox`` quantizes the BF16
 latent straight out of this rank's Lamport mailbox (see ``mailbox.py``), polling each
-tile until published and re-arming it after the read.
+tile until published and re-arming it after the read. ``tensor_tile`` and ``mailbox_tile``
+are one program's work in either case, so that the route launch (``route.py``) can run
+the plan's tiles as programs of its own grid.
 """
 
 from __future__ import annotations
@@ -65,24 +67,59 @@ def mxfp8_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _plan_kernel(x_ptr, x_stride, q_ptr, s_ptr, rows, cols, BF16_BITS: tl.constexpr,
-                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_stride + c[None, :], mask=mask, other=0)
-    x = bf16_bits_to_f32(x) if BF16_BITS else x.to(tl.float32)
+def store_tile(q_ptr, s_ptr, r, c, tile_c, rows, cols, x, BLOCK_ROWS: tl.constexpr,
+               BLOCK_COLS: tl.constexpr):
+    """MXFP8 of the FP32 tile ``x`` [BLOCK_ROWS, BLOCK_COLS] at rows ``r``, columns ``c``
+    (column tile ``tile_c``) into codes [rows, cols] and scales [rows, cols / 32]."""
     codes, scales = mxfp8_tile(x, BLOCK_ROWS, BLOCK_COLS)
-    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], codes, mask=mask)
-    sc = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], codes,
+             mask=(r[:, None] < rows) & (c[None, :] < cols))
+    sc = tile_c * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
     tl.store(s_ptr + r[:, None].to(tl.int64) * (cols // 32) + sc[None, :], scales,
              mask=(r[:, None] < rows) & (sc[None, :] < cols // 32))
 
 
-def quantize_mxfp8(x: torch.Tensor, *, out: tuple | None = None, config: dict | None = None):
-    """MXFP8 of ``x`` [rows, n] (BF16 or FP32, rows contiguous, n a multiple of 32)
-    along its last dim: (codes uint8 [rows, n], scales uint8 [rows, n/32]), bit-identical
-    to ``mx.quantize_mxfp8``."""
+@triton.jit
+def tensor_tile(x_ptr, x_stride, q_ptr, s_ptr, rows, cols, tile_r, tile_c,
+                BF16_BITS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """One tile of ``quantize_mxfp8``: rows tile ``tile_r``, columns tile ``tile_c`` of
+    ``x`` (BF16 bits as int16 when ``BF16_BITS``, else FP32)."""
+    r = tile_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tile_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * x_stride + c[None, :], mask=mask, other=0)
+    x = bf16_bits_to_f32(x) if BF16_BITS else x.to(tl.float32)
+    store_tile(q_ptr, s_ptr, r, c, tile_c, rows, cols, x, BLOCK_ROWS, BLOCK_COLS)
+
+
+@triton.jit
+def mailbox_tile(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows, cols,
+                 latent_per_rank, error_ptr, spin_limit, tile_r, tile_c,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    """One tile of ``quantize_mxfp8_mailbox``: the tile's BF16 latent polled out of the
+    mailbox (``mb_ptr`` int16), quantized, and re-armed behind the read."""
+    r = tile_r * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    c = tile_c * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    mask = (r[:, None] < rows) & (c[None, :] < cols)
+    parity = tl.load(gen_ptr) & 1
+    ptrs = (mb_ptr + parity.to(tl.int64) * parity_stride
+            + r[:, None].to(tl.int64) * row_stride + c[None, :])
+    column = tl.zeros_like(r)[:, None] + c[None, :]
+    bits = mb.take(ptrs, mask, column, latent_per_rank, spin_limit, error_ptr, parity,
+                   mb.EMPTY_HALF)
+    store_tile(q_ptr, s_ptr, r, c, tile_c, rows, cols, bf16_bits_to_f32(bits), BLOCK_ROWS,
+               BLOCK_COLS)
+
+
+@triton.jit
+def _plan_kernel(x_ptr, x_stride, q_ptr, s_ptr, rows, cols, BF16_BITS: tl.constexpr,
+                 BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+    tensor_tile(x_ptr, x_stride, q_ptr, s_ptr, rows, cols, tl.program_id(0), tl.program_id(1),
+                BF16_BITS, BLOCK_ROWS, BLOCK_COLS)
+
+
+def check_input(x) -> tuple[int, int]:
+    """(rows, n) of a valid ``quantize_mxfp8`` input, else an error naming ``x``."""
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [rows, n], got "
                          f"{getattr(x, 'shape', type(x).__name__)}")
@@ -93,11 +130,35 @@ def quantize_mxfp8(x: torch.Tensor, *, out: tuple | None = None, config: dict | 
         raise ValueError(f"x's last dimension ({cols}) must be a multiple of 32")
     if x.stride(1) != 1:
         raise ValueError("x must have contiguous rows (stride 1 along its last dim)")
+    return rows, cols
+
+
+def check_mailbox_latent(latent, world: int, columns: int) -> None:
+    """Raise unless ``latent`` fits a mailbox of ``columns`` columns shared by ``world``
+    ranks (each rank's shard whole MX blocks)."""
+    if (not isinstance(latent, int) or isinstance(latent, bool) or latent < 32
+            or latent % (32 * world) or latent >= columns):
+        raise ValueError(f"latent must be a multiple of 32 * world = {32 * world} below the "
+                         f"mailbox's {columns} columns, got {latent!r}")
+
+
+def outputs(out, rows: int, cols: int, device) -> tuple:
+    """``out`` = (codes uint8 [rows, cols], scales uint8 [rows, cols/32]) checked, or new
+    buffers when None."""
     if out is None:
-        out = (torch.empty(rows, cols, dtype=torch.uint8, device=x.device),
-               torch.empty(rows, cols // 32, dtype=torch.uint8, device=x.device))
-    check_tensor("out[0]", out[0], torch.uint8, (rows, cols), x.device)
-    check_tensor("out[1]", out[1], torch.uint8, (rows, cols // 32), x.device)
+        out = (torch.empty(rows, cols, dtype=torch.uint8, device=device),
+               torch.empty(rows, cols // 32, dtype=torch.uint8, device=device))
+    check_tensor("out[0]", out[0], torch.uint8, (rows, cols), device)
+    check_tensor("out[1]", out[1], torch.uint8, (rows, cols // 32), device)
+    return out
+
+
+def quantize_mxfp8(x: torch.Tensor, *, out: tuple | None = None, config: dict | None = None):
+    """MXFP8 of ``x`` [rows, n] (BF16 or FP32, rows contiguous, n a multiple of 32)
+    along its last dim: (codes uint8 [rows, n], scales uint8 [rows, n/32]), bit-identical
+    to ``mx.quantize_mxfp8``."""
+    rows, cols = check_input(x)
+    out = outputs(out, rows, cols, x.device)
     if rows == 0:
         return out
     cfg = config or config_for(KERNEL, shape_key(cols), rows, DEFAULT, x.device)
@@ -114,19 +175,9 @@ def quantize_mxfp8(x: torch.Tensor, *, out: tuple | None = None, config: dict | 
 def _plan_mailbox_kernel(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows,
                          cols, latent_per_rank, error_ptr, spin_limit,
                          BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-    mask = (r[:, None] < rows) & (c[None, :] < cols)
-    parity = tl.load(gen_ptr) & 1
-    ptrs = (mb_ptr + parity.to(tl.int64) * parity_stride
-            + r[:, None].to(tl.int64) * row_stride + c[None, :])
-    owner = tl.zeros_like(r)[:, None] + c[None, :] // latent_per_rank
-    bits = mb.take(ptrs, mask, owner, spin_limit, error_ptr, parity, mb.EMPTY_HALF)
-    codes, scales = mxfp8_tile(bf16_bits_to_f32(bits), BLOCK_ROWS, BLOCK_COLS)
-    tl.store(q_ptr + r[:, None].to(tl.int64) * cols + c[None, :], codes, mask=mask)
-    sc = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
-    tl.store(s_ptr + r[:, None].to(tl.int64) * (cols // 32) + sc[None, :], scales,
-             mask=(r[:, None] < rows) & (sc[None, :] < cols // 32))
+    mailbox_tile(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows, cols,
+                 latent_per_rank, error_ptr, spin_limit, tl.program_id(0), tl.program_id(1),
+                 BLOCK_ROWS, BLOCK_COLS)
 
 
 def quantize_mxfp8_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int, *,
@@ -143,15 +194,8 @@ def quantize_mxfp8_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
     the parity go to ``error``, int32 [2], and the empty columns quantize as -0), then
     re-armed."""
     device = mb.check_poll_args(mailbox, generation, rows, world, error, spin_limit)
-    if (not isinstance(latent, int) or isinstance(latent, bool) or latent < 32
-            or latent % (32 * world) or latent >= mailbox.shape[2]):
-        raise ValueError(f"latent must be a multiple of 32 * world = {32 * world} below the "
-                         f"mailbox's {mailbox.shape[2]} columns, got {latent!r}")
-    if out is None:
-        out = (torch.empty(rows, latent, dtype=torch.uint8, device=device),
-               torch.empty(rows, latent // 32, dtype=torch.uint8, device=device))
-    check_tensor("out[0]", out[0], torch.uint8, (rows, latent), device)
-    check_tensor("out[1]", out[1], torch.uint8, (rows, latent // 32), device)
+    check_mailbox_latent(latent, world, mailbox.shape[2])
+    out = outputs(out, rows, latent, device)
     if rows == 0:
         return out
     cfg = config or config_for(KERNEL, shape_key(latent, polled=True), rows, DEFAULT, device)
