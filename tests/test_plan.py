@@ -33,8 +33,9 @@ def edge_block(kind: str, gen: torch.Generator) -> torch.Tensor:
         return x * torch.where(torch.rand(32, generator=gen) < 0.5, 1.0, -1.0)
     if kind == "huge":        # the scale clamps at 2**127
         return x.clamp(-2, 2) * 2.0 ** 126
-    if kind == "nan":
+    if kind == "nan":         # either sign: the scale sees |x| as bits
         x[int(torch.randint(0, 32, (1,), generator=gen))] = NAN
+        x[int(torch.randint(0, 32, (1,), generator=gen))] = -NAN
         return x
     if kind == "inf":
         x[int(torch.randint(0, 32, (1,), generator=gen))] = -INF

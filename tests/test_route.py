@@ -275,14 +275,14 @@ PLANNED = [dict(POOLED[2], BLOCK_ROWS=2, BLOCK_COLS=128),
 
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(0, 24),
        experts=st.sampled_from([24, 200]), config=st.sampled_from(PLANNED),
-       generation=st.integers(0, 3))
-def test_route_and_plan_equal_their_stages(seed, rows, experts, config, generation):
+       generation=st.integers(0, 3), dtype=st.sampled_from([torch.bfloat16, torch.float32]))
+def test_route_and_plan_equal_their_stages(seed, rows, experts, config, generation, dtype):
     """One launch, each output bit-identical to its own stage, every pair listed once."""
     top_k, latent = 8, 192
     logits = make_logits(seed, rows, experts, "specials").to(DEVICE)
     bias = make_bias(seed, experts, "normal").to(DEVICE)
     gen = torch.Generator().manual_seed(seed)
-    lat = (torch.randn(rows, latent, generator=gen) * 10).bfloat16().to(DEVICE)
+    lat = (torch.randn(rows, latent, generator=gen) * 10).to(dtype).to(DEVICE)
     lists = R.RoutingLists.empty(experts, 32, DEVICE)
     lists.generation.fill_(generation)
     lists.counts[1 - (generation & 1)].fill_(7)

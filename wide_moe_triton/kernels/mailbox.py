@@ -166,19 +166,26 @@ def publishable_word(bits):
 
 
 @triton.jit
-def poll(ptrs, mask, spin_limit, SENTINEL: tl.constexpr):
-    """(values, still_empty) of the words at ``ptrs`` (where ``mask``): volatile reads,
-    repeated for the words still equal to ``SENTINEL`` until none is or ``spin_limit``
-    rounds (at least one) are done. Masked-off lanes read 0 and are never empty."""
+def poll(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity,
+         SENTINEL: tl.constexpr):
+    """The words at ``ptrs`` (where ``mask``; masked-off lanes read 0) once published:
+    volatile reads, repeated for the words still equal to ``SENTINEL`` until none is or
+    ``spin_limit`` rounds (at least one) are done. On a timeout the still-empty words are
+    returned as read (the sentinel) and their owners recorded (``record_missing``:
+    ``column``, same shape, each word's column, ``per_rank`` columns a rank)."""
     values = tl.load(ptrs, mask=mask, other=0, volatile=True)
-    empty = mask & (values == SENTINEL)
-    rounds = 1
-    while (tl.max(empty.to(tl.int32)) != 0) & (rounds < spin_limit):
-        again = tl.load(ptrs, mask=empty, other=SENTINEL, volatile=True)
-        values = tl.where(empty, again, values)
-        empty = empty & (values == SENTINEL)
-        rounds += 1
-    return values, empty
+    # Both sentinels (-0 as BF16 or FP32 bits) are the least value of their integer type:
+    # one min finds any empty word, and the per-word bookkeeping runs only then.
+    if tl.min(values) == SENTINEL:
+        empty = mask & (values == SENTINEL)
+        rounds = 1
+        while (tl.max(empty.to(tl.int32)) != 0) & (rounds < spin_limit):
+            again = tl.load(ptrs, mask=empty, other=SENTINEL, volatile=True)
+            values = tl.where(empty, again, values)
+            empty = empty & (values == SENTINEL)
+            rounds += 1
+        record_missing(error_ptr, empty, column, per_rank, parity)
+    return values
 
 
 @triton.jit
@@ -205,12 +212,9 @@ def rearm(ptrs, mask, SENTINEL: tl.constexpr):
 @triton.jit
 def take(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity,
          SENTINEL: tl.constexpr):
-    """The words at ``ptrs`` (where ``mask``) once published, the mailbox re-armed behind
-    them. ``column`` (int32, same shape) is each word's column, ``per_rank`` columns a
-    rank; on a timeout the still-empty words are returned as read (the sentinel) and
-    their owners recorded in ``error_ptr`` (see ``record_missing``)."""
-    values, empty = poll(ptrs, mask, spin_limit, SENTINEL)
-    record_missing(error_ptr, empty, column, per_rank, parity)
+    """The words at ``ptrs`` (where ``mask``) once published (``poll``), the mailbox
+    re-armed behind them."""
+    values = poll(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity, SENTINEL)
     rearm(ptrs, mask, SENTINEL)
     return values
 

@@ -52,10 +52,11 @@ def e4m3_codes(y):
 def mxfp8_tile(x, ROWS: tl.constexpr, COLS: tl.constexpr):
     """(codes uint8 [ROWS, COLS], scale bytes uint8 [ROWS, COLS // 32]) of FP32 ``x``."""
     blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
-    amax = tl.max(tl.abs(blocks), axis=2)
-    # x * 0 is NaN exactly for NaN and +-Inf: such blocks become NaN-coded.
-    nonfinite = tl.max(((blocks * 0.0) != 0.0).to(tl.int32), axis=2) != 0
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    # |x| as bits orders as |x| (an integer max: one reduction for both uses), and only
+    # +-Inf and NaN reach 0x7F800000: such blocks become NaN-coded.
+    amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    nonfinite = amax_bits >= 0x7F800000
+    biased = amax_bits >> 23
     exponent = tl.minimum(tl.maximum(biased - 127 - 8, -127), 127)
     factor = ((127 - exponent) << 23).to(tl.float32, bitcast=True)  # 2**-exponent
     y = blocks * factor[:, :, None]

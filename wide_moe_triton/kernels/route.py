@@ -380,8 +380,8 @@ def route_rows(program, programs, src_ptr, src_row_stride, src_offset, src_parit
         parity = tl.load(mb_gen_ptr) & 1
         row += parity.to(tl.int64) * src_parity_stride
         words = src_ptr + row[:, :, None] + e
-        bits, empty = mb.poll(words, in_row, spin_limit, mb.EMPTY_WORD)
-        mb.record_missing(error_ptr, empty, e + t[:, :, None] * 0, experts_per_rank, parity)
+        bits = mb.poll(words, in_row, e + t[:, :, None] * 0, experts_per_rank, spin_limit,
+                       error_ptr, parity, mb.EMPTY_WORD)
     else:
         bits = tl.load(src_ptr + row[:, :, None] + e, mask=in_row, other=0)
     # A full-shape bias load: the logits' layout, one row a warp, holds for both. -inf
