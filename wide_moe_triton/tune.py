@@ -12,7 +12,7 @@ front GEMM (the shared expert's ``shared_gate_up`` and ``shared_down``, the tail
 to a ``.partial``
 file beside the output after every point: an interrupted sweep resumes where it was.
 
-    python -m wide_moe_triton.tune --quick              # about 5 minutes on an H200
+    python -m wide_moe_triton.tune --quick --tp 8       # over 5 minutes on an H200 (one TP)
     python -m wide_moe_triton.tune --tp 8 16 1 --batches 1 16 64 128 256 512 1024
 """
 
