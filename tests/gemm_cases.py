@@ -37,6 +37,15 @@ def draw_row_and_configs(data, b, reduction):
     return row, alone, wide
 
 
+def assert_row_alone_equals_in_batch(run, x, w, row, alone_config, wide_config):
+    """``run(x, w, config)`` gives row ``row`` the same bits alone under ``alone_config``
+    as inside the whole batch under ``wide_config``."""
+    alone = run(x[row:row + 1].contiguous(), w, alone_config)
+    wide = run(x, w, wide_config)[row:row + 1]
+    bits = torch.int32 if alone.dtype == torch.float32 else torch.int16
+    assert torch.equal(alone.view(bits), wide.view(bits))
+
+
 def error_bound(x, packed):
     """Any FP32 summation order of H exact products errs by at most (H-1)u sum|terms|
     (plus the segment adds, well inside the factor H used here)."""

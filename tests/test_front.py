@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from conftest import DEVICE, forbid_launches, poison
-from gemm_cases import LAYOUTS, REDUCTIONS, draw_row_and_configs, error_bound, make_inputs
+from gemm_cases import (LAYOUTS, REDUCTIONS, assert_row_alone_equals_in_batch,
+                        draw_row_and_configs, error_bound, make_inputs)
 from wide_moe_triton import LatentMoE, WideMoEConfig, reference
 from wide_moe_triton.kernels import front
 from wide_moe_triton.kernels.front import front_gemm, pack_front
@@ -66,9 +67,7 @@ def test_batch_invariance(b, data, shape, reduction, seed):
     N, H = shape
     x, packed = make_inputs(b, N, H, seed)
     row, alone_cfg, wide_cfg = draw_row_and_configs(data, b, reduction)
-    alone = run(x[row:row + 1].contiguous(), packed, alone_cfg)
-    wide = run(x, packed, wide_cfg)
-    assert torch.equal(alone.view(torch.int32), wide[row:row + 1].view(torch.int32))
+    assert_row_alone_equals_in_batch(run, x, packed, row, alone_cfg, wide_cfg)
 
 
 @given(b=st.integers(2, 64), data=st.data(), seed=st.integers(0, 2 ** 16))

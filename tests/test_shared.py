@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 
 from conftest import DEVICE, forbid_launches, poison
 from gemm_cases import (LAYOUTS, REDUCTIONS, U32, assert_mostly_equal, assert_one_rounding,
-                        draw_row_and_configs, error_bound, make_inputs)
+                        assert_row_alone_equals_in_batch, draw_row_and_configs, error_bound,
+                        make_inputs)
 from wide_moe_triton import reference
 from wide_moe_triton.kernels import front, shared
 from wide_moe_triton.kernels.front import linear, linear_situ
@@ -175,10 +176,8 @@ def test_batch_invariance_of_each_epilogue(b, data, shape, reduction, seed):
     N, H = shape
     x, w = make_inputs(b, N, H, seed)
     row, alone_cfg, wide_cfg = draw_row_and_configs(data, b, reduction)
-    one = x[row:row + 1].contiguous()
     for run in (run_linear, run_situ):
-        alone, wide = run(one, w, alone_cfg), run(x, w, wide_cfg)
-        assert torch.equal(alone.view(torch.int16), wide[row:row + 1].view(torch.int16))
+        assert_row_alone_equals_in_batch(run, x, w, row, alone_cfg, wide_cfg)
 
 
 @given(b=st.integers(2, 64), data=st.data(), seed=st.integers(0, 2 ** 16))
