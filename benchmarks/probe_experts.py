@@ -1,0 +1,198 @@
+"""The experts' launch configs on this GPU, up and down apart, checked then timed.
+
+    python benchmarks/probe_experts.py [--tp 8] [--batches 65 256 1024]
+
+What produced the "experts v1" table of benchmarks/NOTES.md. At rank-local Kimi-K3 dims
+(experts drawn like ``LatentMoE``'s, a balanced routing) and each batch width, every
+config of ``UP`` (then ``DOWN``) runs with the other launch at its reference config; it
+is checked against ``reference.expert_rows`` on the first 16 tokens, then the launch is
+timed alone (the other one stubbed out; CUDA-graph median). The best pair is then timed
+together, and once more over the same weights untiled (row-major, lane order), which
+isolates what the tiled "wgmma" layout buys. Floors: the bytes each launch must move over
+the copy bandwidth measured at the start. Without a GPU it runs the tiny dims in Triton's
+interpreter and times nothing (a check of the script itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import pathlib
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from wide_moe_triton import WideMoEConfig, mx, reference, tune  # noqa: E402
+from wide_moe_triton.kernels import experts as ex  # noqa: E402
+from wide_moe_triton.kernels import route as rk  # noqa: E402
+
+DRY = not torch.cuda.is_available()
+
+
+def _configs(rows):
+    return [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s, maxnreg=r)
+            for m, n, a, w, s, r in rows]
+
+
+UP = _configs([(16, 128, 0, 4, 3, 0), (16, 128, 0, 8, 3, 128), (16, 64, 0, 4, 3, 128),
+               (16, 128, 0, 8, 4, 128), (16, 128, 1, 8, 3, 128), (16, 64, 0, 4, 4, 128),
+               (16, 64, 0, 4, 3, 96), (16, 256, 0, 8, 3, 168), (32, 128, 0, 8, 3, 128),
+               (32, 64, 0, 4, 3, 128), (32, 128, 0, 4, 3, 0)])
+DOWN = _configs([(16, 128, 0, 4, 3, 0), (16, 128, 0, 8, 3, 96), (16, 128, 0, 8, 3, 80),
+                 (16, 256, 0, 8, 3, 128), (16, 64, 0, 4, 3, 96), (16, 128, 0, 4, 3, 128),
+                 (16, 128, 1, 8, 3, 96), (32, 128, 0, 8, 3, 96), (32, 256, 0, 8, 3, 128)])
+REF_UP, REF_DOWN = UP[1], DOWN[1]  # the other launch's config while one is probed
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 2 GiB device copy, read + write (a nominal 4 TB/s in a dry run)."""
+    if DRY:
+        return 4e12
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), return_mode="median")
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def timed_us(fn) -> float:
+    if DRY:
+        fn()
+        return 1.0
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
+
+
+class _Stub:
+    """A kernel handle whose launches do nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def only(kind: str | None):
+    """Run only the ``kind`` launch ("up" or "down") of ``ex.experts``; None: both."""
+    saved = ex._experts_up_kernel, ex._experts_down_kernel
+    if kind == "up":
+        ex._experts_down_kernel = _Stub()
+    elif kind == "down":
+        ex._experts_up_kernel = _Stub()
+    try:
+        yield
+    finally:
+        ex._experts_up_kernel, ex._experts_down_kernel = saved
+
+
+def untiled(prepared: ex.ExpertWeights) -> ex.ExpertWeights:
+    """The same weights in lane order but row-major (row_block 1)."""
+    w13, w13_s, w2, w2_s = prepared.stock()
+    return dataclasses.replace(prepared, w13=ex.lane_order(w13, prepared.block_k_up),
+                               w13_scales=w13_s, w2=ex.lane_order(w2, prepared.block_k_down),
+                               w2_scales=w2_s, row_block=1)
+
+
+class Batch:
+    """One batch width: its routing, plan, reference rows and the floors of both launches."""
+
+    def __init__(self, cfg, weights, b, gen, copy_bw):
+        dev = gen.device
+        E, L, K, I = cfg.num_experts, cfg.latent, cfg.top_k, cfg.intermediate_per_rank
+        self.cfg, self.w, self.b = cfg, weights, b
+        logits = torch.randn(b, E, generator=gen, device=dev)
+        bias = torch.randn(E, generator=gen, device=dev) * 1e-3  # a balanced load
+        self.lists = rk.RoutingLists.empty(E, cfg.wide_rows, dev)
+        ids, _ = rk.route(logits, bias, K, True, 1.0, lists=self.lists)
+        self.q, self.qs = mx.quantize_mxfp8(torch.randn(b, L, generator=gen, device=dev).bfloat16())
+        self.sub = min(b, 16)
+        self.ref = reference.expert_rows(self.q[:self.sub], self.qs[:self.sub], ids[:self.sub],
+                                         *weights["stock"], cfg.beta, cfg.linear_beta)
+        self.rows = torch.empty(b * K, L, dtype=torch.bfloat16, device=dev)
+        self.work = ex.make_workspace(b, K, L, I, dev)
+        self.touched = torch.unique(ids).numel()
+        w13, w13_s, w2, w2_s = weights["stock"]
+        hidden = b * K * I * 33 // 32  # MXFP8 codes and scales, written then read
+        self.floor_us = {
+            "up": (self.touched * (w13[0].numel() + w13_s[0].numel()) + self.q.numel()
+                   + self.qs.numel() + hidden) / copy_bw * 1e6,
+            "down": (self.touched * (w2[0].numel() + w2_s[0].numel()) + hidden
+                     + self.rows.numel() * 2) / copy_bw * 1e6}
+
+    def run(self, up, down, weights=None):
+        cfg = self.cfg
+        return ex.experts(self.q, self.qs, weights or self.w["prepared"], self.lists.counts,
+                          self.lists.pairs, self.lists.generation, cfg.top_k, cfg.beta,
+                          cfg.linear_beta, rows=self.rows, workspace=self.work,
+                          config_up=up, config_down=down)
+
+    def error(self, up, down, weights=None) -> float:
+        """Relative error of the first tokens' rows against the reference (rows poisoned)."""
+        self.rows.fill_(float("nan"))
+        out = self.run(up, down, weights)[:self.sub * self.cfg.top_k].double()
+        return ((out - self.ref.double()).norm() / self.ref.double().norm()).item()
+
+    def time_launch(self, kind, up, down) -> float:
+        with only(kind):
+            return timed_us(lambda: self.run(up, down))
+
+
+def probe_launch(batch: Batch, kind: str, space) -> tuple[float, dict]:
+    """(µs, config) of the fastest correct config of the ``kind`` launch."""
+    results = []
+    for config in space:
+        up, down = (config, REF_DOWN) if kind == "up" else (REF_UP, config)
+        try:
+            err = batch.error(up, down)
+            if not err < 1e-2:
+                print(f"  {kind} {config}: WRONG, rel err {err:.2e}", flush=True)
+                continue
+            us = batch.time_launch(kind, up, down)
+        except Exception as exc:  # a config that does not compile is reported and skipped
+            print(f"  {kind} {config}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            continue
+        results.append((us, config))
+        print(f"  {kind} {config}: {us:8.1f} us  {batch.floor_us[kind] / us:6.1%} of copy bw  "
+              f"err {err:.1e}", flush=True)
+    return min(results, key=lambda r: r[0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=8)
+    p.add_argument("--batches", type=int, nargs="+", default=[65, 256, 1024])
+    args = p.parse_args(argv)
+    copy_bw = copy_bandwidth()
+    print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
+    cfg = (WideMoEConfig.tiny if DRY else WideMoEConfig.kimi_k3)(tp=args.tp)
+    gen = torch.Generator(device="cpu" if DRY else "cuda").manual_seed(args.tp)
+    weights = tune.random_expert_weights(cfg, gen)
+    weights["stock"] = (weights["w13"], weights["w13_scales"], weights["w2"],
+                        weights["w2_scales"])
+    row_major = untiled(weights["prepared"])
+    summary = []
+    for b in args.batches:
+        batch = Batch(cfg, weights, b, gen, copy_bw)
+        floor = sum(batch.floor_us.values())
+        print(f"\n== b={b}, {batch.touched} experts touched: floor up {batch.floor_us['up']:.0f}"
+              f" us, down {batch.floor_us['down']:.0f} us", flush=True)
+        best_up = probe_launch(batch, "up", UP)
+        best_down = probe_launch(batch, "down", DOWN)
+        both = timed_us(lambda: batch.run(best_up[1], best_down[1]))
+        flat = timed_us(lambda: batch.run(best_up[1], best_down[1], row_major))
+        flat_err = batch.error(best_up[1], best_down[1], row_major)
+        print(f"  best: up {best_up[0]:.1f} + down {best_down[0]:.1f}, together {both:.1f} us "
+              f"({floor / both:.1%} of copy bw); untiled {flat:.1f} us (err {flat_err:.1e})")
+        summary.append((b, batch.touched, floor, both, flat, best_up[1], best_down[1]))
+    print("\n| b | touched | floor µs | best µs | of copy bw | untiled µs | up | down |")
+    print("|---|---|---|---|---|---|---|---|")
+    for b, touched, floor, both, flat, up, down in summary:
+        print(f"| {b} | {touched} | {floor:.0f} | {both:.0f} | {floor / both:.0%} | {flat:.0f} "
+              f"| {up} | {down} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
