@@ -50,15 +50,43 @@ def test_split_modes_agree_and_reproduce(b, shape, seed):
     no_split = {**base, "SPLIT_K": 1, "SPLIT_GRID": 0}
     grid = {**base, "SPLIT_K": 4, "SPLIT_GRID": 1}
     in_program = {**base, "SPLIT_K": 4, "SPLIT_GRID": 0}
+    pairs = {**grid, "GROUP": 2}
     results = {}
-    for name, cfg in (("no_split", no_split), ("grid", grid), ("in_program", in_program)):
+    for name, cfg in (("no_split", no_split), ("grid", grid), ("in_program", in_program),
+                      ("pairs", pairs)):
         first, second = run(x, packed, cfg), run(x, packed, cfg)
         assert torch.equal(first.view(torch.int32), second.view(torch.int32)), name
         results[name] = first
     # The same segments added in the same order, in one program or across programs.
     assert torch.equal(results["grid"].view(torch.int32), results["in_program"].view(torch.int32))
+    assert torch.equal(results["grid"].view(torch.int32), results["pairs"].view(torch.int32))
     diff = (results["grid"].double() - results["no_split"].double()).abs()
     assert (diff <= 2 * error_bound(x, packed)).all()
+
+
+def tree_sum(parts):
+    """The bottom-up pairwise tree of the module docstring, in FP32 (torch's adds)."""
+    while len(parts) > 1:
+        pairs = [parts[i] + parts[i + 1] for i in range(0, len(parts) - 1, 2)]
+        parts = pairs + parts[len(pairs) * 2:]
+    return parts[0]
+
+
+@given(b=st.integers(1, 24), split_k=st.sampled_from([3, 6, 8]), seed=st.integers(0, 2 ** 16))
+def test_segments_add_as_a_binary_tree(b, split_k, seed):
+    # Each segment's sum, run alone on its slice of K, then added in the tree's order by
+    # torch, is what every grouping of the segments into programs gives, bit for bit.
+    N, H, block_k = 37, 256, 32
+    x, packed = make_inputs(b, N, H, seed)
+    per = -(-(H // block_k) // split_k) * block_k  # columns a segment
+    one = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=1, SPLIT_GRID=0, num_warps=4,
+               num_stages=3)
+    segments = [run(x[:, k:k + per].contiguous(), packed[:, k:k + per].contiguous(), one)
+                for k in range(0, H, per)]
+    expected = tree_sum(segments).view(torch.int32)
+    for grid, group in ((0, 1), (1, 1), (1, 2), (1, 4)):
+        cfg = {**one, "SPLIT_K": split_k, "SPLIT_GRID": grid, "GROUP": group}
+        assert torch.equal(run(x, packed, cfg).view(torch.int32), expected), (grid, group)
 
 
 @given(b=st.integers(2, 64), data=st.data(), shape=st.sampled_from(SHAPES),
@@ -185,6 +213,10 @@ def _bad_calls():
         (lambda: front_gemm(x, w, config={**good, "BLOCK_N": 32}), ValueError, "BLOCK_N"),
         (lambda: front_gemm(x, w, config={**good, "num_warps": 2}), ValueError, "num_warps"),
         (lambda: front_gemm(x, w, config={**good, "BLOCK_K": 48}), ValueError, "BLOCK_K"),
+        (lambda: front_gemm(x, w, config={**good, "GROUP": 3}), ValueError, "GROUP"),
+        (lambda: front_gemm(torch.zeros(4, 256, **bf16), torch.zeros(80, 256, **bf16),
+                            config={**good, "BLOCK_K": 16, "SPLIT_K": 16}),
+         ValueError, "at most 8 segments"),
         (lambda: pack_front(gate.float(), down, 0, 1), TypeError, "gate_weight"),
         (lambda: pack_front(gate, down[:, :32], 0, 1), ValueError, "latent_down must have shape"),
         (lambda: pack_front(gate, down, 2, 2), ValueError, "rank must be"),

@@ -7,18 +7,24 @@ latent columns are rounded to BF16 by the stage that publishes them, not here.
 Reduction order and batch invariance. The K dimension (H) is cut into blocks of
 ``BLOCK_K`` and the blocks into ``SPLIT_K`` consecutive segments. Each segment is
 accumulated from zero by the tensor cores, block after block; the segment sums are
-then added in FP32, segment 0 first. That order is all a row's result depends on, and
-it is fixed per shape (``shape_key``), never per batch width: the launch wrapper takes
-``BLOCK_K``/``SPLIT_K`` from the smallest batch bucket's config whatever ``b`` is. What
-may vary per bucket changes no bit:
+then added in FP32 as a fixed binary tree, bottom-up and pairwise (level by level,
+neighbours 2i and 2i+1 added left to right, an odd last one carried up as it is:
+``((s0+s1)+(s2+s3))+((s4+s5)+s6)`` for 7 segments). That order is all a row's result
+depends on, and it is fixed per shape (``shape_key``), never per batch width: the
+launch wrapper takes ``BLOCK_K``/``SPLIT_K`` from the smallest batch bucket's config
+whatever ``b`` is. What may vary per bucket changes no bit:
 
 - ``BLOCK_M`` (batch rows a program) and ``BLOCK_N`` (packed rows a program): an
   output element only ever sees its own row of x and its own row of packed;
-- ``SPLIT_GRID``: 1 runs each segment in its own program (partials to an FP32
-  workspace, then a fixed-order reduction kernel), 0 runs all segments in one program
-  (same additions in the same order, no workspace): split-K for small batches, whose
-  few output tiles would leave most SMs idle while the weights stream, none for wide
-  ones;
+- ``SPLIT_GRID`` and ``GROUP``: how the segments are shared among programs. With
+  ``SPLIT_GRID`` 1 a program sums an aligned group of ``GROUP`` segments (a power of
+  two) as its subtree, the partials go to an FP32 workspace and a reduction kernel adds
+  them as the tree's upper levels; with 0 one program sums all segments (no
+  workspace). Aligned power-of-two groups are subtrees of the tree, so every choice
+  adds the same sums in the same order: many programs for small batches, whose few
+  output tiles would leave most SMs idle while the weights stream, few or none for
+  wide ones. A program holds one pending subtree a level of its group, so it sums at
+  most 8 segments (3 levels);
 - ``num_warps`` (4 or 8: one or two warpgroups, always wgmma) and ``num_stages``.
 
 The MMA is ``packed_tile @ x_tile.T`` (swap-AB): the weight rows fill the 64-row
@@ -62,19 +68,31 @@ from .situ import situ
 KERNEL = "front"
 # The base of every config; ``default_config`` sizes SPLIT_K, BLOCK_M and SPLIT_GRID.
 DEFAULT = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "SPLIT_K": 1, "SPLIT_GRID": 0,
-           "num_warps": 4, "num_stages": 4}
+           "GROUP": 1, "num_warps": 4, "num_stages": 4}
 # Keys that set the reduction order: per shape only (see the module docstring).
 REDUCTION_KEYS = ("BLOCK_K", "SPLIT_K")
 _SMEM_BUDGET = 200 * 1024  # pipeline bytes a candidate may take (H200: 227 KB a block)
+_MAX_LEVELS = 3  # a program sums at most 8 segments (the tree's pending subtrees)
+
+
+def _tiles_held(s: int, group: int) -> int:
+    """FP32 accumulator tiles a program holds: the running segment and one pending
+    subtree a tree level of its group (none for a single segment)."""
+    return 1 + (min(group, triton.next_power_of_2(s)).bit_length() - 1 if s > 1 else 0)
+
+
 SPACE = [
-    {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "SPLIT_GRID": g,
+    {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, "SPLIT_GRID": g, "GROUP": grp,
      "num_warps": w, "num_stages": st}
     for m in (16, 32, 64, 128) for n in (64, 128) for k in (64, 128)
-    for s in (1, 2, 4, 7, 8, 14, 28) for g in (0, 1) for w in (4, 8) for st in (3, 4, 5)
-    if (g == 0 or s > 1) and st * (m + n) * k * 2 <= _SMEM_BUDGET
-    # Two FP32 accumulators (segment and total) of m*n/(32*w) registers a thread each
-    # must leave room for the rest under 255, or the kernel spills.
-    and m * n // (32 * w) <= 64
+    for s in (1, 2, 4, 7, 8, 14, 28) for g in (0, 1) for grp in (1, 2, 4)
+    for w in (4, 8) for st in (3, 4, 5)
+    if (g == 0 or s > grp) and (g == 1 or grp == 1)
+    and _tiles_held(s, grp if g else 1 << 30) <= 1 + _MAX_LEVELS
+    and st * (m + n) * k * 2 <= _SMEM_BUDGET
+    # The accumulator tiles, m*n/(32*w) registers a thread each, must leave room for the
+    # rest under 255 (tiles, pointers), or the kernel spills.
+    and _tiles_held(s, grp if g else 1 << 30) * (m * n // (32 * w)) <= 128
 ]
 _SM_COUNT = 132  # H200; only the untuned defaults below use it
 _REDUCE_N, _REDUCE_M = 128, 8  # the reduction kernel's tile: 1024 elements, N contiguous
@@ -138,18 +156,69 @@ def _store_tile(total, n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta,
             tl.store(ptrs, f32_to_bf16_bits(total), mask=ok)
 
 
+@triton.jit
+def _fold_segment(acc, c, l0, l1, l2, LEVELS: tl.constexpr):
+    """Fold segment ``c`` (its sum ``acc``) of a program's group into the pending
+    subtrees ``l0..l2`` of the binary tree over the group (a binary counter: level l holds
+    the finished subtree of 2**l segments whose right sibling is under way). When ``c``
+    completes the group, the group's sum ends in ``l[LEVELS - 1]``."""
+    # Selects, not branches: nested ifs on the accumulator make Triton's pipeliner wait
+    # for every wgmma (or ptxas serialize them); a segment ends every few K blocks only.
+    carry = acc
+    if LEVELS >= 1:
+        merge = (c & 1) == 1
+        l0, carry = tl.where(merge, l0, carry), tl.where(merge, l0 + carry, carry)
+    if LEVELS >= 2:
+        merge = (c & 3) == 3
+        l1, carry = tl.where((c & 3) == 1, carry, l1), tl.where(merge, l1 + carry, carry)
+    if LEVELS >= 3:
+        merge = (c & 7) == 7
+        l2, carry = tl.where((c & 7) == 3, carry, l2), tl.where(merge, l2 + carry, carry)
+    # The top level keeps the group's sum once complete (its subtree is the whole group).
+    complete = (c & ((1 << LEVELS) - 1)) == (1 << LEVELS) - 1
+    if LEVELS == 1:
+        l0 = tl.where(complete, carry, l0)
+    if LEVELS == 2:
+        l1 = tl.where(complete, carry, l1)
+    if LEVELS == 3:
+        l2 = tl.where(complete, carry, l2)
+    return l0, l1, l2
+
+
+@triton.jit
+def _group_sum(l0, l1, l2, r, LEVELS: tl.constexpr):
+    """The tree sum of a group of ``r`` segments from ``_fold_segment``'s subtrees: the
+    whole group's sum if ``r == 2**LEVELS``, else the pending subtrees (one per set bit
+    of r) added right to left, as the bottom-up pairwise tree over a ragged tail has
+    them. -0 is the identity of FP32 addition (-0 + s == s for every s, -0 included)."""
+    total = tl.full(l0.shape, -0.0, tl.float32)
+    if (r & 1) == 1:
+        total = l0 + total
+    top = l0
+    if LEVELS >= 2:
+        top = l1
+        if (r & 2) == 2:
+            total = l1 + total
+    if LEVELS >= 3:
+        top = l2
+        if (r & 4) == 4:
+            total = l2 + total
+    if r == (1 << LEVELS):
+        total = top
+    return total
+
+
 @triton.jit(do_not_specialize=["num_blocks", "blocks_per_split"])
 def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split, dst_stride,
                   beta, linear_beta,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_GRID: tl.constexpr, ONE_SEGMENT: tl.constexpr, EVEN_K: tl.constexpr,
+                  LEVELS: tl.constexpr, SPLIT_GRID: tl.constexpr, EVEN_K: tl.constexpr,
                   EPILOGUE: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
                   INTERPRET: tl.constexpr):
-    """dst[(s,) m, n] = EPILOGUE(sum over the K blocks of this program's segments of
-    x[m] . w[n]); one program per (N tile, M tile[, segment]). SPLIT_GRID: dst is the
-    FP32 workspace [segments, b, N] (EPILOGUE is then EPI_F32, the reduction kernel
-    applies the caller's). ONE_SEGMENT: the program sums a single segment (SPLIT_GRID,
-    or SPLIT_K = 1)."""
+    """dst[(g,) m, n] = EPILOGUE(tree sum over this program's group of 2**LEVELS
+    consecutive segments of x[m] . w[n]); one program per (N tile, M tile[, group]).
+    SPLIT_GRID: dst is the FP32 workspace [groups, b, N] (EPILOGUE is then EPI_F32, the
+    reduction kernel sums the groups and applies the caller's)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,8 +229,8 @@ def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split, 
     rows_n = (offs_n % N).to(tl.int64)
     rows_m = (offs_m % b).to(tl.int64)
     if SPLIT_GRID:
-        k_lo = tl.program_id(2) * blocks_per_split
-        k_hi = tl.minimum(k_lo + blocks_per_split, num_blocks)
+        k_lo = tl.program_id(2) * (blocks_per_split << LEVELS)
+        k_hi = tl.minimum(k_lo + (blocks_per_split << LEVELS), num_blocks)
         dst_ptr += tl.program_id(2).to(tl.int64) * b * N
     else:
         k_lo = 0
@@ -169,11 +238,12 @@ def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split, 
     w_ptrs = w_ptr + rows_n[:, None] * H + (k_lo * BLOCK_K + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * H + (k_lo * BLOCK_K + offs_k)[None, :]
 
-    # -0 + s == s for every s, so starting the total at -0 makes it bitwise the first
-    # segment's sum, as the split-grid reduction (which starts from partial 0) has it.
-    # A single segment needs no total: acc is it, and the registers go to the tiles.
-    total = tl.full((BLOCK_N, BLOCK_M), -0.0, tl.float32)
+    # One flat loop over the K blocks keeps the load pipeline and the wgmma queue full
+    # across segment ends; a segment's sum is folded into the tree where it ends.
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    l0 = acc
+    l1 = acc
+    l2 = acc
     for kb in range(k_lo, k_hi):
         if EVEN_K:
             w = tl.load(w_ptrs)
@@ -185,50 +255,71 @@ def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split, 
         acc = _block_dot(w, x, acc, INTERPRET)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        if not ONE_SEGMENT:
+        if LEVELS > 0:
             # A segment ends at every multiple of blocks_per_split and at the last block.
             if ((kb + 1) % blocks_per_split == 0) | (kb + 1 == num_blocks):
-                total += acc
+                l0, l1, l2 = _fold_segment(acc, (kb - k_lo) // blocks_per_split, l0, l1, l2,
+                                           LEVELS)
                 acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    if ONE_SEGMENT:
-        total = acc
+    if LEVELS > 0:
+        acc = _group_sum(l0, l1, l2, tl.cdiv(k_hi - k_lo, blocks_per_split), LEVELS)
 
-    _store_tile(total, pid_n * BLOCK_N, offs_m, N, b, dst_ptr, dst_stride, beta, linear_beta,
+    _store_tile(acc, pid_n * BLOCK_N, offs_m, N, b, dst_ptr, dst_stride, beta, linear_beta,
                 BLOCK_N, EPILOGUE, HAS_LINEAR_BETA)
 
 
 @triton.jit
 def _front_reduce_kernel(ws_ptr, out_ptr, b, N, numel, out_stride, beta, linear_beta,
-                         N_SPLITS: tl.constexpr, EPILOGUE: tl.constexpr,
+                         N_PARTS: tl.constexpr, TREE_DEPTH: tl.constexpr,
+                         EPILOGUE: tl.constexpr,
                          HAS_LINEAR_BETA: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_M: tl.constexpr):
-    """out = EPILOGUE(ws[0] + ws[1] + ... + ws[N_SPLITS - 1]), added left to right in
-    FP32, over a [BLOCK_N, BLOCK_M] tile oriented as the GEMM's (``_store_tile``)."""
+    """out = EPILOGUE(bottom-up pairwise tree sum of ws[0..N_PARTS-1]) in FP32 (each of
+    the TREE_DEPTH levels adds neighbours 2i and 2i+1, an odd last one goes up as it is), over a
+    [BLOCK_N, BLOCK_M] tile oriented as the GEMM's (``_store_tile``)."""
     n0 = tl.program_id(0) * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask = (offs_n[:, None] < N) & (offs_m[None, :] < b)
-    # Every partial is loaded before the first add: N_SPLITS loads in flight, not one.
+    # Every partial is loaded before the first add: N_PARTS loads in flight, not one.
     parts = ()
     ptrs = ws_ptr + offs_m[None, :].to(tl.int64) * N + offs_n[:, None]
-    for s in tl.static_range(N_SPLITS):
+    for s in tl.static_range(N_PARTS):
         parts = parts + (tl.load(ptrs, mask=mask, other=0.0),)
         ptrs += numel
-    total = parts[0]
-    for s in tl.static_range(1, N_SPLITS):
-        total += parts[s]
-    _store_tile(total, n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta, BLOCK_N,
+    for level in tl.static_range(TREE_DEPTH):
+        pairs = ()
+        for i in tl.static_range(len(parts) // 2):
+            pairs = pairs + (parts[2 * i] + parts[2 * i + 1],)
+        if len(parts) % 2 == 1:
+            pairs = pairs + (parts[len(parts) - 1],)
+        parts = pairs
+    _store_tile(parts[0], n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta, BLOCK_N,
                 EPILOGUE, HAS_LINEAR_BETA)
 
 
 # ----------------------------------------------------------------------------- configs
 
 def _split_plan(H: int, cfg: dict) -> tuple[int, int, int]:
-    """(K blocks, blocks a segment, segments): no segment is empty, so both SPLIT_GRID
-    modes add exactly the same partial sums."""
+    """(K blocks, blocks a segment, segments): no segment is empty, so every grouping of
+    the segments into programs adds exactly the same partial sums."""
     num_blocks = triton.cdiv(H, cfg["BLOCK_K"])
     per_split = triton.cdiv(num_blocks, min(cfg["SPLIT_K"], num_blocks))
     return num_blocks, per_split, triton.cdiv(num_blocks, per_split)
+
+
+def _group_plan(segments: int, cfg: dict) -> tuple[int, int]:
+    """(tree levels a program sums, programs a tile): a program sums an aligned group of
+    2**levels segments (all of them without SPLIT_GRID, GROUP of them with it), a subtree
+    of the segments' tree, so every grouping gives the same bits."""
+    whole = triton.next_power_of_2(segments)
+    group = whole if not cfg["SPLIT_GRID"] else min(cfg.get("GROUP", 1), whole)
+    levels = group.bit_length() - 1
+    if levels > _MAX_LEVELS:
+        raise ValueError(f"front config: a program sums at most {1 << _MAX_LEVELS} segments, "
+                         f"got {group} (SPLIT_K {cfg['SPLIT_K']}, SPLIT_GRID "
+                         f"{cfg['SPLIT_GRID']}, GROUP {cfg.get('GROUP', 1)})")
+    return levels, triton.cdiv(segments, group)
 
 
 def default_config(N: int, H: int, b: int) -> dict:
@@ -276,6 +367,7 @@ def _check_config(cfg: dict) -> None:
         raise ValueError(f"front config SPLIT_K must be a positive int, got {cfg.get('SPLIT_K')!r}")
     if cfg.get("SPLIT_GRID") not in (0, 1):
         raise ValueError(f"front config SPLIT_GRID must be 0 or 1, got {cfg.get('SPLIT_GRID')!r}")
+    power_of_two("GROUP", 1)
     if not isinstance(cfg.get("num_stages"), int) or cfg["num_stages"] < 1:
         raise ValueError(f"front config num_stages must be a positive int, got "
                          f"{cfg.get('num_stages')!r}")
@@ -291,14 +383,15 @@ def workspace_numel(b: int, N: int, H: int, config: dict) -> int:
     ``linear_situ``) at (b, N, H) with ``config`` needs (0 when it runs without split-K
     programs)."""
     cfg = {**DEFAULT, **config}
-    _, _, splits = _split_plan(H, cfg)
-    return splits * b * N if cfg["SPLIT_GRID"] and splits > 1 else 0
+    _, _, segments = _split_plan(H, cfg)
+    _, parts = _group_plan(segments, cfg)
+    return parts * b * N if parts > 1 else 0
 
 
 def max_workspace_numel(rows: int, N: int, H: int, device=None, kernel: str = KERNEL) -> int:
     """FP32 elements of a workspace that serves every call of ``kernel`` at shape (N, H)
     of up to ``rows`` rows with the tuned configs: the split count is fixed per shape, so
-    it is splits * rows * N (0 when the shape never splits K)."""
+    at most segments * rows * N (0 when the shape never splits K)."""
     _, _, splits = _split_plan(H, launch_config(N, H, 1, device, kernel))
     return splits * rows * N if splits > 1 else 0
 
@@ -335,14 +428,14 @@ def _check_out(out: torch.Tensor, dtype: torch.dtype, b: int, N: int, device) ->
                          f"{tuple(out.stride())}")
 
 
-def _check_workspace(workspace, splits: int, b: int, N: int, device) -> torch.Tensor:
-    need = splits * b * N
+def _check_workspace(workspace, parts: int, b: int, N: int, device) -> torch.Tensor:
+    need = parts * b * N
     if workspace is None:
         return _shared_workspace(need, device)
     check_tensor("workspace", workspace, torch.float32, None, device)
     if workspace.numel() < need:
         raise ValueError(f"workspace must hold at least {need} FP32 elements "
-                         f"({splits} splits x {b} x {N}), got {workspace.numel()}")
+                         f"({parts} partial sums x {b} x {N}), got {workspace.numel()}")
     return workspace
 
 
@@ -356,8 +449,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, epilogue, 
     cfg = {**DEFAULT, **config} if config is not None else launch_config(N, H, b, x.device,
                                                                           kernel)
     _check_config(cfg)
-    num_blocks, per_split, splits = _split_plan(H, cfg)
-    split_grid = bool(cfg["SPLIT_GRID"]) and splits > 1
+    num_blocks, per_split, segments = _split_plan(H, cfg)
+    levels, parts = _group_plan(segments, cfg)
+    split_grid = parts > 1
     out_view = out if out.dtype == torch.float32 else out.view(torch.int16)
     scalars = dict(beta=float(beta),
                    linear_beta=1.0 if linear_beta is None else float(linear_beta))
@@ -366,23 +460,24 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, epilogue, 
                  # around it (GEMM program or reduction kernel).
                  enable_fp_fusion=False)
     if split_grid:
-        workspace = _check_workspace(workspace, splits, b, N, x.device)
+        workspace = _check_workspace(workspace, parts, b, N, x.device)
         dst, dst_stride, dst_epilogue = workspace, N, EPI_F32
     else:
         dst, dst_stride, dst_epilogue = out_view, out.stride(0), epilogue
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(b, cfg["BLOCK_M"]),
-            splits if split_grid else 1)
+            parts)
     _front_kernel[grid](
         x_ptr=x, w_ptr=weight, dst_ptr=dst, b=b, N=N, H=H, num_blocks=num_blocks,
         blocks_per_split=per_split, dst_stride=dst_stride, **scalars,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT_GRID=split_grid, ONE_SEGMENT=split_grid or splits == 1,
+        LEVELS=levels if segments > 1 else 0, SPLIT_GRID=split_grid,
         EVEN_K=H % cfg["BLOCK_K"] == 0, EPILOGUE=dst_epilogue.value,
         INTERPRET=_interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
     if split_grid:
         _front_reduce_kernel[(triton.cdiv(N, _REDUCE_N), triton.cdiv(b, _REDUCE_M))](
-            workspace, out_view, b, N, b * N, out.stride(0), **scalars, N_SPLITS=splits,
+            workspace, out_view, b, N, b * N, out.stride(0), **scalars, N_PARTS=parts,
+            TREE_DEPTH=(parts - 1).bit_length(),
             EPILOGUE=epilogue.value, BLOCK_N=_REDUCE_N, BLOCK_M=_REDUCE_M, num_warps=4,
             **flags)
     return out
