@@ -702,8 +702,9 @@ def main(argv=None):
         if DEVICE.type == "cuda":
             torch.cuda.empty_cache()
         print(f"# {label} done in {time.time() - t0:.0f} s", flush=True)
+        if ROWS:  # after every shape: a run stopped by a timeout keeps what finished
+            write_outputs(pathlib.Path(args.out), machine)
     if ROWS:
-        write_outputs(pathlib.Path(args.out), machine)
         summary()
 
 
