@@ -3,6 +3,17 @@ bandwidth floor, in one run on one GPU (DESIGN.md, benchmarks/NOTES.md).
 
     python benchmarks/bench_layer.py [--batches 65 128 256 512 1024] [--shapes tp8 tp16 tp1]
                                      [--out DIR] [--no-peers] [--experts-only]
+                                     [--stock-batches 1 65 ...] [--dry-run]
+
+``--shapes``: ``tpN`` times rank 0 of T = N at production dims on this one GPU (every
+stage, rank-local shapes); ``tp1`` adds the whole layer (WideMoE eager and CUDA graph
+beside the stock ``LatentMoE``, at 1 and every ``--batches`` width, ``--layer-batches``
+to change them) and a bitwise batch-invariance line (a row alone, inside 65 rows,
+inside the widest). The stock path loops over experts in Python (up to 2 s a call at
+b = 1024): it is timed once a width, after the check call, at ``--stock-batches``.
+``--dry-run`` runs the same code at ``WideMoEConfig.tiny`` dims on the CPU (Triton's
+interpreter, one untimed call a row, nominal floors): it checks the script, not the
+kernels' speed.
 
 Peers of the experts stage at the TP shapes: ``torch._grouped_mm`` (BF16) and, when
 ``triton_kernels`` is importable (``PYTHONPATH=.peers``, see benchmarks/peers.py and
@@ -11,7 +22,10 @@ NOTES.md), Triton's MXFP4 ``matmul_ogs``. ``--experts-only`` times the experts r
 
 Every timing is ``triton.testing.do_bench``'s median (or a CUDA graph's replays, for
 the whole layer); the floor of a stage is the bytes it must move over the copy bandwidth
-measured in the same run. A stage is timed only after its output was checked against
+measured in the same run, or its FLOPs over the BF16 matmul rate measured in the same run
+where that is larger. Weights that fit in L2 (60 MB on an H200) are rotated through
+copies worth >= 128 MB, so that a stage reads them from HBM as the real layer (other
+layers in between) does. A stage is timed only after its output was checked against
 the stock reference in this run: a fast wrong kernel reports no number.
 """
 
@@ -20,6 +34,7 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import gc
 import math
 import os
 import pathlib
@@ -27,8 +42,12 @@ import sys
 import time
 import traceback
 
-import torch
-import triton
+DRY = "--dry-run" in sys.argv[1:]
+if DRY:  # before triton is imported: the kernels run in its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
@@ -46,6 +65,10 @@ from wide_moe_triton.sharding import shard  # noqa: E402
 import peers  # noqa: E402  (benchmarks/peers.py: the peers that need outside code)
 
 ROWS: list[dict] = []
+NOTES: list[str] = []   # lines for the markdown below the table (invariance, skips)
+DEVICE = torch.device("cpu" if DRY else "cuda")
+ROTATE_BYTES = 128 << 20   # > 2x the H200's 60 MB L2
+OURS = ("triton", "triton, 2 launches", "WideMoE graph", "WideMoE eager")
 
 
 @dataclasses.dataclass
@@ -53,9 +76,20 @@ class Machine:
     name: str
     copy_bw: float      # bytes/s, read + written
     bf16_flops: float   # FLOP/s of a large BF16 matmul
+    clocks: str = ""
+
+    def line(self) -> str:
+        return (f"GPU: {self.name}; {self.clocks}; copy {self.copy_bw / 1e12:.2f} TB/s; bf16 "
+                f"{self.bf16_flops / 1e12:.0f} TFLOP/s; torch {torch.__version__}; "
+                f"triton {triton.__version__}")
 
 
 def header() -> Machine:
+    if DRY:
+        machine = Machine("dry run (CPU, Triton interpreter)", 4.3e12, 700e12,
+                          "no clocks; nominal floors")
+        print(f"# {machine.line()}")
+        return machine
     name = torch.cuda.get_device_name()
     clocks = ""
     try:
@@ -80,24 +114,36 @@ def header() -> Machine:
     print(f"# {name}; {clocks}; torch {torch.__version__}, triton {triton.__version__}")
     print(f"# copy bandwidth {copy_bw / 1e12:.2f} TB/s (2 GiB device copy, read + write); "
           f"bf16 matmul {flops / 1e12:.0f} TFLOP/s (8192^3, random)")
-    return Machine(name, copy_bw, flops)
+    return Machine(name, copy_bw, flops, clocks)
+
+
+def dry_time(fn) -> float:
+    """One untimed call (dry run): the row exists, its number means nothing."""
+    fn()
+    return 1e-6
 
 
 def bench(fn) -> float:
     """Median seconds of one ``fn`` call, replayed from a CUDA graph of many calls, so that
     host launch overhead (tens of µs a Triton launch) stays out of device time."""
+    if DRY:
+        return dry_time(fn)
     return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
 
 
 def bench_eager(fn) -> float:
     """Median seconds of ``fn`` launched from Python (do_bench, L2 flushed between runs)."""
+    if DRY:
+        return dry_time(fn)
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
 
 
 def bench_once(fn) -> float:
-    """Seconds of one ``fn`` call after one warm-up (for the stock path, whose calls take
-    up to seconds: do_bench's repetitions would cost minutes of device time)."""
-    fn()
+    """Seconds of one ``fn`` call, warmed by the check call just before (for the stock
+    path, whose calls take up to seconds: do_bench's repetitions would cost minutes of
+    device time)."""
+    if DRY:
+        return dry_time(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -111,6 +157,22 @@ def record(shape, b, stage, impl, seconds, nbytes, machine, flops=0.0, check="")
     ROWS.append(dict(shape=shape, b=b, stage=stage, impl=impl, us=seconds * 1e6,
                      floor_us=floor * 1e6, bw_TBps=nbytes / seconds / 1e12,
                      of_copy_bw=nbytes / seconds / machine.copy_bw, check=check))
+
+
+def rotation(*tensors, nbytes=ROTATE_BYTES):
+    """Copies of ``tensors`` (tuples, the originals first) worth at least ``nbytes``
+    together, for a timed loop to cycle through: weights that fit in L2 are then read
+    from HBM, as the real layer (other layers between two calls) reads them."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    n = 1 if DRY else max(1, math.ceil(nbytes / max(1, size)))
+    return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(n - 1)]
+
+
+def cycle(copies):
+    """A callable giving the next element of ``copies`` on every call (captured calls
+    of a CUDA graph each take the next one)."""
+    it = iter(range(1 << 62))
+    return lambda: copies[next(it) % len(copies)]
 
 
 def rel_err(out, ref) -> float:
@@ -133,13 +195,13 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
     """Stages of rank ``rank`` of T = cfg_t.tp at production dims, on this one GPU (with
     ``experts_only``, the experts rows alone: the other stages still run, untimed, to
     feed it)."""
-    dev = torch.device("cuda")
+    dev = DEVICE
     w = shard(stock, rank, cfg_t.tp)
     E, K, L, I = cfg_t.num_experts, cfg_t.top_k, cfg_t.latent, cfg_t.intermediate_per_rank
     packed = front_k.pack_front(w.gate_weight, w.latent_down, 0, 1)
-    # Rotate 16 copies of the 8 MB front weights so that do_bench does not read them
-    # from L2, as the real layer (with other layers in between) does not.
-    copies = [packed.clone() for _ in range(max(1, (128 << 20) // packed.numel() // 2))]
+    # The 8 MB front weights (TP8) rotate through copies: do_bench must not find them
+    # in L2, as the real layer (with other layers in between) does not.
+    next_packed = cycle(rotation(packed))
     prepared = experts_k.prepare_weights(w.w13, w.w13_scales, w.w2, w.w2_scales)
     gen = torch.Generator(device=dev).manual_seed(1234)
     lists = route_k.RoutingLists.empty(E, cfg_t.wide_rows, dev)
@@ -152,15 +214,16 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
         err = rel_err(out, x.double() @ packed.double().t())
         ok = err < 1e-5
         nb = packed.numel() * 2 + x.numel() * 2 + out.numel() * 4
-        it = iter(range(1 << 60))
+        flops_front = 2 * b * packed.shape[0] * packed.shape[1]
         if ok and not experts_only:
             record(label, b, "front", "triton", bench(
-                lambda: front_k.front_gemm(x, copies[next(it) % len(copies)], out=out)),
-                nb, machine, check=f"{err:.1e}")
+                lambda: front_k.front_gemm(x, next_packed()[0], out=out)),
+                nb, machine, flops_front, check=f"{err:.1e}")
+        elif not ok:
+            print(f"!! {label} b={b}: front GEMM rel err {err:.2e}: not timed")
         if not experts_only:
             record(label, b, "front", "torch.mm", bench(
-                lambda: torch.mm(x, copies[next(it) % len(copies)].t(), out_dtype=torch.float32)),
-                nb, machine)
+                lambda: reference.mm_f32(x, next_packed()[0])), nb, machine, flops_front)
             dense_linears(label, b, w, cfg_t, x, gen, machine, with_peers)
         # route + claims (plain logits) and plan (plain latent): one launch, as the layer
         # runs them (route_and_plan; the layer's polled variant reads the same rows out of
@@ -219,14 +282,14 @@ def stage_rank(stock, cfg_t, rank, batches, machine, label, with_peers=True,
                 f"{err:.1e}")
         else:
             print(f"!! {label} b={b}: experts rel err {err:.2e}: not timed")
-        if with_peers and hasattr(torch, "_grouped_mm"):
-            if grouped_w is None:
-                grouped_w = bf16_experts(w)
-            t = grouped_peer(grouped_w, latent, ids, cfg_t)
-            if t is not None:
-                record(label, b, "experts", "torch._grouped_mm bf16", t,
+        if with_peers and grouped_w is None:
+            grouped_w = bf16_experts(w) or False
+        if with_peers and grouped_w:
+            peer = grouped_peer(grouped_w, latent, ids, cfg_t, check_b)
+            if peer is not None:
+                record(label, b, "experts", "torch._grouped_mm bf16", peer[0],
                        touched * (2 * I * L + I * L) * 2 + latent.numel() * 2 + rows.numel() * 2,
-                       machine, flops)
+                       machine, flops, peer[1])
         if with_peers and ogs is None:
             ogs = matmul_ogs_peer(w) or False
         if with_peers and ogs:
@@ -259,15 +322,19 @@ def dense_linears(label, b, w, cfg_t, x, gen, machine, peers=True):
     pairs = shared_k.interleave_gate_up(w.shared_gate_up)
     hidden = torch.empty(b, S, dtype=torch.bfloat16, device=dev)
     out = torch.empty(b, H, dtype=torch.bfloat16, device=dev)
+    # 33 MB of shared weights at TP8 (16 at TP16) would stay in L2: rotate copies.
+    ours_w = cycle(rotation(pairs, w.shared_down))
+    stock_w = cycle(rotation(w.shared_gate_up, w.shared_down))
 
-    def ours():
-        return shared_k.shared_expert(x, pairs, w.shared_down, cfg_t.beta, cfg_t.linear_beta,
+    def ours(weights=None):
+        p_, d_ = weights or ours_w()
+        return shared_k.shared_expert(x, p_, d_, cfg_t.beta, cfg_t.linear_beta,
                                       hidden=hidden, out=out)
 
-    def stock():
-        return reference.shared_expert(x, w.shared_gate_up, w.shared_down, cfg_t.beta,
-                                       cfg_t.linear_beta)
-    err = rel_err(ours(), stock())
+    def stock(weights=None):
+        gu, d_ = weights or stock_w()
+        return reference.shared_expert(x, gu, d_, cfg_t.beta, cfg_t.linear_beta)
+    err = rel_err(ours((pairs, w.shared_down)), stock((w.shared_gate_up, w.shared_down)))
     nb = (pairs.numel() + w.shared_down.numel() + x.numel() + out.numel()) * 2
     flops = 2 * b * 3 * S * H
     if err < 1e-2:
@@ -285,23 +352,46 @@ def dense_linears(label, b, w, cfg_t, x, gen, machine, peers=True):
     err = rel_err(tail_k.add_up_projection(normed, w.latent_up, cols.clone()), ref)
     nb = (w.latent_up.numel() + normed.numel() + 2 * cols.numel()) * 2
     flops = 2 * b * Hr * L
+    up = cycle(rotation(w.latent_up))
     if err < 1e-2:
         record(label, b, "tail up", "triton",
-               bench(lambda: tail_k.add_up_projection(normed, w.latent_up, cols)), nb, machine,
+               bench(lambda: tail_k.add_up_projection(normed, up()[0], cols)), nb, machine,
                flops, f"{err:.1e}")
     else:
         print(f"!! {label} b={b}: tail up-projection rel err {err:.2e}: not timed")
     if peers:
         record(label, b, "tail up", "addmm_ (cuBLAS)",
-               bench(lambda: cols.addmm_(normed, w.latent_up.t())), nb, machine, flops)
+               bench(lambda: cols.addmm_(normed, up()[0].t())), nb, machine, flops)
+
+
+def fits(nbytes: int, what: str) -> bool:
+    """Whether ``nbytes`` more fit in free device memory with 8 GiB to spare (else says
+    so: at TP1 the BF16 copy of all 896 experts is 59 GB)."""
+    if DRY:
+        return True
+    free = torch.cuda.mem_get_info()[0]
+    if nbytes + (8 << 30) <= free:
+        return True
+    line = (f"{what}: not run, needs {nbytes / 2**30:.1f} GiB + 8 GiB spare, "
+            f"{free / 2**30:.1f} GiB free")
+    print(f"   {line}")
+    NOTES.append(line)
+    return False
 
 
 def bf16_experts(w):
     """Every expert of the shard dequantized to BF16, [E, L, 2I] and [E, I, L] (the
-    layouts torch._grouped_mm takes as its second operand)."""
+    layouts torch._grouped_mm takes as its second operand); None (said why) where they
+    do not fit in device memory or torch has no _grouped_mm."""
+    if not hasattr(torch, "_grouped_mm"):
+        NOTES.append("torch._grouped_mm: absent from this torch")
+        return None
     E = w.w13.shape[0]
-    w13 = torch.empty(E, w.w13.shape[2] * 2, w.w13.shape[1], dtype=torch.bfloat16, device="cuda")
-    w2 = torch.empty(E, w.w2.shape[2] * 2, w.w2.shape[1], dtype=torch.bfloat16, device="cuda")
+    nbytes = 2 * E * (w.w13.shape[1] * w.w13.shape[2] + w.w2.shape[1] * w.w2.shape[2]) * 2
+    if not fits(nbytes + (8 << 30), "torch._grouped_mm bf16 (every expert as BF16)"):
+        return None
+    w13 = torch.empty(E, w.w13.shape[2] * 2, w.w13.shape[1], dtype=torch.bfloat16, device=DEVICE)
+    w2 = torch.empty(E, w.w2.shape[2] * 2, w.w2.shape[1], dtype=torch.bfloat16, device=DEVICE)
     for e in range(0, E, 64):
         sl = slice(e, e + 64)
         w13[sl] = mx.dequantize_mxfp4(w.w13[sl], w.w13_scales[sl]).transpose(1, 2).bfloat16()
@@ -309,9 +399,25 @@ def bf16_experts(w):
     return w13, w2
 
 
-def grouped_peer(weights, latent, ids, cfg_t):
-    """Seconds of the BF16 grouped-GEMM peer (sort pairs by expert, two grouped GEMMs,
-    SiTU between) over the same routing; None where it cannot run."""
+def grouped_reference(weights, latent, ids, cfg_t, check_b):
+    """FP32 rows (pair order) of the first ``check_b`` tokens through the BF16 experts:
+    the grouped peer's own function (BF16 activations, BF16 hidden), expert by expert."""
+    w13, w2 = weights
+    K, I = cfg_t.top_k, cfg_t.intermediate_per_rank
+    flat = ids[:check_b].reshape(-1).long()
+    rows = torch.empty(flat.numel(), w2.shape[2], dtype=torch.float32, device=latent.device)
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero().flatten()
+        gu = latent[pairs // K].float() @ w13[e].float()
+        hidden = reference.situ(gu[:, :I], gu[:, I:], cfg_t.beta, cfg_t.linear_beta)
+        rows[pairs] = hidden.bfloat16().float() @ w2[e].float()
+    return rows
+
+
+def grouped_peer(weights, latent, ids, cfg_t, check_b):
+    """(seconds, check) of the BF16 grouped-GEMM peer (sort pairs by expert, two grouped
+    GEMMs, SiTU between) over the same routing, checked first on the first ``check_b``
+    tokens against ``grouped_reference``; None where it cannot run or is wrong."""
     w13, w2 = weights
     K, I = cfg_t.top_k, cfg_t.intermediate_per_rank
     flat = ids.reshape(-1).long()
@@ -324,8 +430,14 @@ def grouped_peer(weights, latent, ids, cfg_t):
             gu = torch._grouped_mm(a, w13, offs=offs)
             h = reference.situ(gu[:, :I], gu[:, I:], cfg_t.beta, cfg_t.linear_beta).bfloat16()
             return torch._grouped_mm(h, w2, offs=offs)
-        run()
-        return bench(run)
+        got = torch.empty_like(run())
+        got[order] = run()  # back to pair order (t * K + k)
+        err = rel_err(got[:check_b * K], grouped_reference(weights, latent, ids, cfg_t,
+                                                           check_b))
+        if not err < 2e-2:
+            print(f"!! torch._grouped_mm rel err {err:.2e}: not timed")
+            return None
+        return bench(run), f"{err:.1e}"
     except Exception as err:
         print(f"   torch._grouped_mm could not run: {type(err).__name__}: {str(err)[:120]}")
         return None
@@ -334,6 +446,9 @@ def grouped_peer(weights, latent, ids, cfg_t):
 def matmul_ogs_peer(w):
     """triton_kernels' matmul_ogs over shard ``w`` (weights converted once, vLLM's Hopper
     layout on an H200), or None where it cannot run (the reason printed)."""
+    nbytes = sum(t.numel() for t in (w.w13, w.w13_scales, w.w2, w.w2_scales))
+    if not fits(2 * nbytes, peers.MATMUL_OGS):
+        return None
     try:
         return peers.MatmulOgsExperts(w.w13, w.w13_scales, w.w2, w.w2_scales)
     except peers.PeerUnavailable as err:
@@ -382,15 +497,19 @@ def capture_graph(module, static, warmups=3):
     return graph, out
 
 
-def whole_layer(stock, batches, machine, label="tp1"):
-    """WideMoE vs LatentMoE at T = 1 on this GPU: checked, then timed (eager and graph)."""
+def whole_layer(stock, batches, machine, label="tp1", stock_batches=None):
+    """WideMoE vs LatentMoE at T = 1 on this GPU: checked, then timed (eager and graph;
+    the stock path at ``stock_batches`` only, all if None), then batch invariance."""
     wide = WideMoE.from_module(stock)
     cfg = stock.cfg
-    gen = torch.Generator(device="cuda").manual_seed(99)
+    gen = torch.Generator(device=DEVICE).manual_seed(99)
     per_expert = (stock.w13[0].numel() + stock.w13_scales[0].numel() + stock.w2[0].numel()
                   + stock.w2_scales[0].numel())
+    dense = (stock.gate_weight.numel() + stock.latent_down.numel() + stock.latent_up.numel()
+             + stock.shared_gate_up.numel() + stock.shared_down.numel()) * 2
     for b in batches:
-        xs = [torch.randn(b, cfg.hidden, generator=gen, device="cuda").bfloat16() for _ in range(4)]
+        xs = [torch.randn(b, cfg.hidden, generator=gen, device=DEVICE).bfloat16()
+              for _ in range(4)]
         ref = stock(xs[0])
         out = wide(xs[0])
         err = rel_err(out, ref)
@@ -402,25 +521,44 @@ def whole_layer(stock, batches, machine, label="tp1"):
         logits = reference.mm_f32(xs[0], stock.gate_weight)
         ids, _ = reference.route(logits, stock.e_score_correction_bias, cfg.top_k, True, 1.0)
         touched = torch.unique(ids).numel()
-        dense = (stock.gate_weight.numel() + stock.latent_down.numel() + stock.latent_up.numel()
-                 + stock.shared_gate_up.numel() + stock.shared_down.numel()) * 2
         nb = touched * per_expert + dense + 2 * b * cfg.hidden * 2
-        it = iter(range(1 << 60))
-        record(label, b, "layer", "WideMoE eager", bench_eager(lambda: wide(xs[next(it) % 4])), nb,
-               machine, check=f"{err:.1e}")
-        try:
-            static = xs[0].clone()
-            graph, y = capture_graph(wide, static)
-            graph.replay()
-            torch.cuda.synchronize()
-            same_graph = torch.equal(y, wide(static))
-            record(label, b, "layer", "WideMoE graph", bench_eager(graph.replay), nb, machine,
-                   check="= eager" if same_graph else "!= eager")
-        except Exception as err2:
-            print(f"   graph capture failed: {type(err2).__name__}: {str(err2)[:200]}")
-        record(label, b, "layer", "LatentMoE (stock)", bench_once(lambda: stock(xs[1])), nb,
-               machine)
+        flops = 2 * b * (dense // 2 + cfg.top_k * 3 * cfg.latent * cfg.expert_intermediate)
+        nxt = cycle(xs)
+        record(label, b, "layer", "WideMoE eager", bench_eager(lambda: wide(nxt())), nb,
+               machine, flops, check=f"{err:.1e}")
+        if DEVICE.type == "cuda":
+            try:
+                static = xs[0].clone()
+                graph, y = capture_graph(wide, static)
+                graph.replay()
+                torch.cuda.synchronize()
+                same_graph = torch.equal(y, wide(static))
+                record(label, b, "layer", "WideMoE graph", bench_eager(graph.replay), nb,
+                       machine, flops, check="= eager" if same_graph else "!= eager")
+                del graph, y
+            except Exception as err2:
+                print(f"   graph capture failed: {type(err2).__name__}: {str(err2)[:200]}")
+        if stock_batches is None or b in stock_batches:
+            record(label, b, "layer", "LatentMoE (stock)", bench_once(lambda: stock(xs[0])),
+                   nb, machine, flops)
         print_rows(label, b)
+    batch_invariance(wide, cfg, max(batches), label)
+
+
+def batch_invariance(wide, cfg, widest, label):
+    """Whether row 7's output has the same bits alone, inside 65 rows and inside
+    ``widest`` rows (the layer compiled above for these widths: milliseconds)."""
+    if widest < 65:
+        return
+    x = torch.randn(widest, cfg.hidden, generator=torch.Generator(device=DEVICE).manual_seed(5),
+                    device=DEVICE).bfloat16()
+    alone, in_65, in_all = wide(x[7:8]), wide(x[:65])[7:8], wide(x)[7:8]
+    equal = torch.equal(alone.view(torch.int16), in_65.view(torch.int16)) and torch.equal(
+        alone.view(torch.int16), in_all.view(torch.int16))
+    line = (f"batch invariance ({label}, whole layer, E = {cfg.num_experts}): row 7 alone / "
+            f"in 65 rows / in {widest} rows: {'bitwise equal' if equal else 'DIFFER'}")
+    print(f"   {line}")
+    NOTES.append(line)
 
 
 # ------------------------------------------------------------------------------ output
@@ -433,92 +571,140 @@ def print_rows(shape, b):
                   f"{r['of_copy_bw']:>6.1%} of copy BW  {r['check']}", flush=True)
 
 
+def speedups(r) -> str:
+    """For one of our rows: each peer's time over ours at the same shape, b and stage
+    (> 1: we are faster)."""
+    if r["impl"] not in OURS:
+        return ""
+    peers_ = [q for q in ROWS if (q["shape"], q["b"], q["stage"]) == (r["shape"], r["b"], r["stage"])
+              and q["impl"] not in OURS]
+    return "; ".join(f"{q['us'] / r['us']:.2f}x vs {q['impl']}" for q in peers_)
+
+
+def table_lines() -> list[str]:
+    lines = ["| shape | b | stage | impl | µs | floor µs | floor/time | TB/s | speed-up | check |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        lines.append(f"| {r['shape']} | {r['b']} | {r['stage']} | {r['impl']} | {r['us']:.1f} "
+                     f"| {r['floor_us']:.1f} | {r['floor_us'] / r['us']:.0%} | "
+                     f"{r['bw_TBps']:.2f} | {speedups(r)} | {r['check']} |")
+    return lines
+
+
 def write_outputs(out_dir: pathlib.Path, machine: Machine):
     out_dir.mkdir(parents=True, exist_ok=True)
+    for r in ROWS:
+        r["speedup"] = speedups(r)
     with open(out_dir / "results.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(ROWS[0]))
         writer.writeheader()
         writer.writerows(ROWS)
-    lines = [f"GPU: {machine.name}; copy {machine.copy_bw / 1e12:.2f} TB/s; bf16 "
-             f"{machine.bf16_flops / 1e12:.0f} TFLOP/s; torch {torch.__version__}; "
-             f"triton {triton.__version__}", "",
-             "| shape | b | stage | impl | µs | floor µs | floor/time | check |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in ROWS:
-        lines.append(f"| {r['shape']} | {r['b']} | {r['stage']} | {r['impl']} | {r['us']:.1f} "
-                     f"| {r['floor_us']:.1f} | {r['floor_us'] / r['us']:.0%} | {r['check']} |")
+    lines = [machine.line(), "", "Floor: bytes over the copy bandwidth, or FLOPs over the "
+             "BF16 matmul rate where larger; speed-up: the peer's time over ours.", ""]
+    lines += table_lines() + [""] + [f"- {n}" for n in NOTES]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
     try:
-        plot(out_dir / "layer.png")
+        plot(out_dir / "layer.png", machine)
     except ImportError:
         print("(matplotlib absent: no plot)")
 
 
-def plot(path):
+def plot(path, machine):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    stages = sorted({(r["shape"], r["stage"]) for r in ROWS})
-    fig, axes = plt.subplots(1, len(stages), figsize=(4 * len(stages), 3.5), squeeze=False)
-    for ax, (shape, stage) in zip(axes[0], stages):
-        sel = [r for r in ROWS if r["shape"] == shape and r["stage"] == stage]
-        for impl in sorted({r["impl"] for r in sel}):
-            pts = sorted((r["b"], r["us"]) for r in sel if r["impl"] == impl)
-            ax.plot(*zip(*pts), marker="o", label=impl)
-        # The floor of the stage itself: the fewest bytes any implementation must move.
-        floor = {}
-        for r in sel:
-            floor[r["b"]] = min(floor.get(r["b"], float("inf")), r["floor_us"])
-        ax.plot(*zip(*sorted(floor.items())), "k--", label="floor")
-        ax.set_title(f"{shape} {stage}")
-        ax.set_xlabel("batch rows")
-        ax.set_ylabel("µs")
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=6)
+    shapes = list(dict.fromkeys(r["shape"] for r in ROWS))
+    stages = list(dict.fromkeys(r["stage"] for r in ROWS))
+    fig, axes = plt.subplots(len(shapes), len(stages), figsize=(3.6 * len(stages),
+                             3.2 * len(shapes)), squeeze=False)
+    for row, shape in enumerate(shapes):
+        for col, stage in enumerate(stages):
+            ax = axes[row][col]
+            sel = [r for r in ROWS if r["shape"] == shape and r["stage"] == stage]
+            if not sel:
+                ax.axis("off")
+                continue
+            for impl in dict.fromkeys(r["impl"] for r in sel):
+                pts = sorted((r["b"], r["us"]) for r in sel if r["impl"] == impl)
+                ax.plot(*zip(*pts), marker="o", label=impl)
+            # The floor of the stage itself: the fewest bytes any implementation must move.
+            floor = {}
+            for r in sel:
+                floor[r["b"]] = min(floor.get(r["b"], float("inf")), r["floor_us"])
+            ax.plot(*zip(*sorted(floor.items())), "k--", label="floor")
+            ax.set_title(f"{shape} {stage}", fontsize=9)
+            ax.set_xlabel("batch rows")
+            ax.set_ylabel("µs")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.legend(fontsize=5)
+    fig.suptitle(machine.line(), fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def summary():
-    print("\n| shape | b | stage | impl | µs | floor/time | check |")
-    print("|---|---|---|---|---|---|---|")
-    for r in ROWS:
-        print(f"| {r['shape']} | {r['b']} | {r['stage']} | {r['impl']} | {r['us']:.1f} | "
-              f"{r['floor_us'] / r['us']:.0%} | {r['check']} |")
+    print()
+    for line in table_lines():
+        print(line)
+    for n in NOTES:
+        print(f"- {n}")
+
+
+def dims(tp: int) -> WideMoEConfig:
+    """Production dims (tiny ones in a dry run, where T <= 4)."""
+    return WideMoEConfig.tiny(tp=tp, wide_rows=128) if DRY else WideMoEConfig.kimi_k3(tp=tp)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[65, 128, 256, 512, 1024])
     p.add_argument("--shapes", nargs="+", default=["tp8", "tp16", "tp1"])
-    p.add_argument("--layer-batches", type=int, nargs="+", default=[1, 65, 257, 1024])
+    p.add_argument("--layer-batches", type=int, nargs="+", default=None,
+                   help="whole-layer widths at tp1 (default: 1 and every --batches width)")
+    p.add_argument("--stock-batches", type=int, nargs="+", default=None,
+                   help="widths at which the stock LatentMoE is timed (default: all)")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--experts-only", action="store_true",
                    help="time only the experts rows (ours and the peers); no whole layer")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny dims on the CPU (interpreter), untimed: checks the script")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args(argv)
+    for label in args.shapes:
+        if not (label.startswith("tp") and label[2:].isdigit()):
+            p.error(f"--shapes takes tpN (N = tensor-parallel size), got {label!r}")
+    layer_batches = args.layer_batches or sorted({1, *args.batches})
     machine = header()
     if not args.no_peers:
         for name, status in peers.availability().items():
             print(f"# peer {name}: {status}")
     t0 = time.time()
-    stock = LatentMoE(WideMoEConfig.kimi_k3(tp=1), seed=0, device="cuda")
+    stock = LatentMoE(dims(1), seed=0, device=DEVICE)
     print(f"# stock layer built in {time.time() - t0:.0f} s")
     for label in args.shapes:
         tp = int(label[2:])
+        t0 = time.time()
         try:
             if tp == 1 and not args.experts_only:
-                whole_layer(stock, args.layer_batches, machine)
-            stage_rank(stock, WideMoEConfig.kimi_k3(tp=tp), 0, args.batches, machine, label,
-                       with_peers=not args.no_peers and tp > 1,
-                       experts_only=args.experts_only)
+                whole_layer(stock, layer_batches, machine, stock_batches=args.stock_batches)
+                gc.collect()
+                if DEVICE.type == "cuda":
+                    torch.cuda.empty_cache()
+            stage_rank(stock, dims(tp), 0, args.batches, machine, label,
+                       with_peers=not args.no_peers, experts_only=args.experts_only)
         except Exception:
             traceback.print_exc()
-        torch.cuda.empty_cache()
+        gc.collect()
+        if DEVICE.type == "cuda":
+            torch.cuda.empty_cache()
+        print(f"# {label} done in {time.time() - t0:.0f} s", flush=True)
+        if ROWS:  # after every shape: a run stopped by a timeout keeps what finished
+            write_outputs(pathlib.Path(args.out), machine)
     if ROWS:
-        write_outputs(pathlib.Path(args.out), machine)
         summary()
 
 

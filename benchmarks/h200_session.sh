@@ -1,34 +1,80 @@
 #!/usr/bin/env bash
-# What a lease of the H200 runs, one device-tool call a step (each under 10 min), every
-# output under $OUT. Carry .peers/ (benchmarks/NOTES.md, "Peers tried").
-#   check  every test, compiled by this GPU's Triton (about 5 min with 8 workers)
-#   tune   the quick sweep; then copy $OUT/NVIDIA_H200.json to autotune_configs/ here
-#   bench  bench_layer (checked, then timed) and the reliability checks
-# Measured cost (2026-12-02): check > 300 s; tune --quick > 5 min at TP8 alone (the
-# experts' candidates compile slowly), so one step a call.
+# One lease of the H200 in three device-tool calls (each <= 9.5 min), in this order:
+#   check  GPU test suite (HYPOTHESIS_PROFILE=gpu-check), the matmul_ogs peer's test, then
+#          reliability: invariance + claim order + 10 000 graph replays (E = 128), memcheck
+#          and racecheck on a tiny run
+#   tune   the quick sweep at TP8, TP16, TP1 into $OUT/NVIDIA_H200.json; copy it to
+#          autotune_configs/ before `bench`
+#   bench  bench_layer over tp8, tp1 (whole layer, its batch-invariance line at E = 896),
+#          tp16 (results written after each shape, so a timeout keeps what finished)
+# Every step runs under `timeout`, bounded by what is left of the call's budget
+# (BUDGET seconds, default 560), its log under $OUT; a summary is printed last.
+# Carry .peers/ (benchmarks/NOTES.md, "Peers tried"). Compiled kernels go to
+# .triton-cache/ (ignored): a later call on the still-warm machine reuses them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder that comes back}"
+export TRITON_CACHE_DIR="$PWD/.triton-cache"
+BUDGET=${BUDGET:-560}
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+
+# step NAME LIMIT MIN CMD...: run CMD under timeout min(LIMIT, budget left - 10 s),
+# output to $OUT/NAME.log; skipped when less than MIN seconds are left.
+step() {
+  local name=$1 limit=$2 min=$3; shift 3
+  local left=$((BUDGET - SECONDS - 10))
+  if ((left < min)); then
+    echo "$name: SKIPPED (${left} s left of the budget, needs ${min})" >> "$SUMMARY"
+    return
+  fi
+  ((limit > left)) && limit=$left
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  local what="rc $rc"
+  ((rc == 124 || rc == 137)) && what="TIMED OUT"
+  echo "$name: $what, $((SECONDS - t0)) s (limit $limit s)" >> "$SUMMARY"
+}
+
+show() {  # show NAME PATTERN [N]: the log's last N lines matching PATTERN
+  [[ -f "$OUT/$1.log" ]] && grep -E "$2" "$OUT/$1.log" | tail -"${3:-20}" | sed "s/^/  $1| /" >> "$SUMMARY"
+}
+
 case "${1:-}" in
   check)
-    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv
-    HYPOTHESIS_PROFILE=ci timeout 540 python -m pytest -q -n 8 -p no:benchmark tests/ \
-      > "$OUT/tests.log" 2>&1
-    tail -5 "$OUT/tests.log"
-    PYTHONPATH=.peers timeout 50 python -m pytest -q benchmarks/test_peers.py 2>&1 | tail -3
+    nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$OUT/gpu.txt"
+    step tests 300 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -q -n 14 \
+      -p no:benchmark -p no:cacheprovider --durations=20 tests/
+    show tests "passed|failed|error" 3
+    step peers 60 30 env PYTHONPATH=.peers python -m pytest -q -p no:cacheprovider \
+      benchmarks/test_peers.py
+    show peers "passed|failed|error" 2
+    step reliability 180 60 python benchmarks/reliability.py --invariance --claim-order \
+      --replays 10000
+    show reliability "invariance|claim order|replays|DIFFER|reliability:|Error"
+    step memcheck 75 30 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
+      --tool memcheck --error-exitcode 9 python benchmarks/reliability.py --sanitize
+    show memcheck "ERROR SUMMARY|sanitize b=|Error" 5
+    step racecheck 90 30 compute-sanitizer --tool racecheck --error-exitcode 9 \
+      python benchmarks/reliability.py --sanitize --sanitize-batches 17
+    show racecheck "RACECHECK SUMMARY|ERROR SUMMARY|hazard|sanitize b=|Error" 5
     ;;
   tune)
-    timeout 560 python -m wide_moe_triton.tune --quick --tp "${2:-8}" \
-      --out "$OUT/NVIDIA_H200.json" 2>&1 | tail -60 | tee "$OUT/tune.log"
+    step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 \
+      --out "$OUT/NVIDIA_H200.json"
+    tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
     ;;
   bench)
-    timeout 120 python benchmarks/reliability.py --invariance 2>&1 | grep "invariance"
-    PYTHONPATH=.peers timeout 300 python benchmarks/bench_layer.py --shapes tp8 tp1 \
-      --out "$OUT" > "$OUT/bench.log" 2>&1
-    grep "^|" "$OUT/bench.log" | tail -80
-    timeout 60 python benchmarks/reliability.py --replays 10000 2>&1 | tail -4
-    timeout 60 compute-sanitizer --tool memcheck python benchmarks/reliability.py --sanitize \
-      2>&1 | tail -3
+    python -c "import json; t = json.load(open('autotune_configs/NVIDIA_H200.json')); \
+print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
+    step bench 545 120 env PYTHONPATH=.peers python benchmarks/bench_layer.py \
+      --shapes tp8 tp1 tp16 --batches 65 128 256 512 1024 --out "$OUT"
+    show bench "^# .* done in|batch invariance|^!!|not run|Traceback" 30
+    [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
     ;;
-  *) echo "usage: $0 check|tune [TP]|bench" >&2; exit 2 ;;
+  *) echo "usage: OUT=DIR $0 check|tune|bench" >&2; exit 2 ;;
 esac
+echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
+cat "$SUMMARY"

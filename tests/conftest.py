@@ -16,8 +16,24 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("gpu", max_examples=60, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
+# The GPU session's check (benchmarks/h200_session.sh): every test, few examples, the
+# same ones every run. On a GPU the cost is compiling, not running: each example that
+# draws a new shape, dtype or launch config compiles new kernels (seconds each; the
+# experts' minutes in all), so fewer examples means fewer compiles, and derandomized
+# examples hit Triton's on-disk cache on a second run.
+settings.register_profile(
+    "gpu-check", max_examples=4, deadline=None, derandomize=True, database=None,
+    print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
                                      "gpu" if torch.cuda.is_available() else "ci"))
+QUICK = os.environ.get("HYPOTHESIS_PROFILE") == "gpu-check"
+
+
+def examples(at_least: int) -> int:
+    """A test's example count: the profile's, raised to ``at_least`` for tests whose
+    inputs space needs more (routing ties, mailbox parities), except in the quick GPU
+    check, where every test runs the profile's few."""
+    return settings().max_examples if QUICK else max(settings().max_examples, at_least)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

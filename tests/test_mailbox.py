@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, poison
+from conftest import DEVICE, examples, poison
 from wide_moe_triton import mx, reference
 from wide_moe_triton.kernels import mailbox as M
 from wide_moe_triton.kernels import plan as P
@@ -93,7 +93,7 @@ def assert_read_matches(ids, weights, q, s, logits, lat, bias, top_k):
     assert torch.equal(s.cpu(), ref_s)
 
 
-@settings(max_examples=max(settings().max_examples, 24))
+@settings(max_examples=examples(24))
 @given(seed=st.integers(0, 2**31 - 1), world=st.sampled_from([1, 2, 4]),
        rows=st.integers(1, WIDE_ROWS), experts=st.sampled_from([16, 24, 128]),
        top_k=st.sampled_from([4, 16]), generation=st.integers(0, 3), specials=st.booleans(),

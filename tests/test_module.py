@@ -217,6 +217,7 @@ def test_determinism(wide):
     (lambda x: x[None], "shape"),
     (lambda x: x.t().contiguous().t(), "contiguous"),
     (lambda x: "not a tensor", "Tensor"),
+    (lambda x: x.to("meta"), "x is on meta"),  # a device other than the module's, on CPU too
 ])
 def test_bad_input_raises_and_leaves_module_usable(stock, wide, bad, match):
     x = inputs(6, 5)
@@ -237,7 +238,7 @@ def test_rank_that_never_publishes_is_named(stock):
     group = SimulatedGroup(stock, 2, spin_limit=3)
     x = inputs(4, 9)
     group(x, skip_publish={1})
-    with pytest.raises(RuntimeError, match="1"):
+    with pytest.raises(RuntimeError, match=r"mailbox.*rank 0 of 2.*rank\(s\) \[1\]"):
         group.ranks[0].check_mailbox()
     for m in group.ranks:
         m.scratch.rearm()
@@ -253,3 +254,19 @@ def test_nan_token_is_nan_and_others_exact(stock, wide):
     assert torch.isnan(out[2].float()).all()
     keep = [0, 1, 3, 4, 5]
     assert torch.equal(out[keep], clean[keep])
+
+
+@pytest.mark.parametrize("value", [float("inf"), -float("inf")])
+def test_inf_token_is_not_finite_and_others_exact(stock, wide, value):
+    # Policy for Inf in x, as for NaN: that token's output row is not finite (its
+    # logits and latent are), every other token keeps its bits, nothing reads or writes
+    # out of bounds, and the mailbox is left empty.
+    x = inputs(6, 23)
+    clean = wide(x)
+    x[4, 9] = value
+    out = wide(x)
+    assert not torch.isfinite(out[4].float()).all()
+    keep = [0, 1, 2, 3, 5]
+    assert torch.equal(out[keep], clean[keep])
+    assert_mailbox_empty(wide.scratch)
+    assert int(wide.scratch.error.abs().sum()) == 0

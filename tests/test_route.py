@@ -7,7 +7,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, poison
+from conftest import DEVICE, examples, poison
 from wide_moe_triton import mx, reference
 from wide_moe_triton.kernels import route as R
 
@@ -85,7 +85,7 @@ bias_st = st.sampled_from(["zero", "negzero", "ties", "normal"])
 scale_st = st.sampled_from([1.0, 2.5, 2.827, -1.5, 1e-3])
 
 
-@settings(max_examples=max(settings().max_examples, 40))
+@settings(max_examples=examples(40))
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 64), experts=experts_st,
        k_choice=st.sampled_from(["one", "four", "all"]), kind=kind_st, bias_kind=bias_st,
        renormalize=st.booleans(), scale=scale_st, pad=st.sampled_from([0, 3]),
@@ -156,7 +156,7 @@ def routed(logits, bias, top_k, renormalize, scale, config, lists=None):
                    weights=weights, config=config)
 
 
-@settings(max_examples=max(settings().max_examples, 16))
+@settings(max_examples=examples(16))
 @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 9),
        experts=st.sampled_from([96, 200, 896]), top_k=st.sampled_from([1, 16, 48]),
        kind=kind_st, bias_kind=bias_st, renormalize=st.booleans(),
