@@ -1,6 +1,7 @@
 """The experts' launch configs on this GPU, up and down apart, checked then timed.
 
     python benchmarks/probe_experts.py [--tp 8] [--batches 65 256 1024]
+        [--layouts wgmma wgmma_decode] [--no-untiled] [--top N]
 
 What produced the "experts v1" table of benchmarks/NOTES.md. At rank-local Kimi-K3 dims
 (experts drawn like ``LatentMoE``'s, a balanced routing) and each batch width, every
@@ -46,6 +47,15 @@ DOWN = _configs([(16, 128, 0, 4, 3, 0), (16, 128, 0, 8, 3, 96), (16, 128, 0, 8, 
                  (16, 256, 0, 8, 3, 128), (16, 64, 0, 4, 3, 96), (16, 128, 0, 4, 3, 128),
                  (16, 128, 1, 8, 3, 96), (32, 128, 0, 8, 3, 96), (32, 256, 0, 8, 3, 128)])
 REF_UP, REF_DOWN = UP[1], DOWN[1]  # the other launch's config while one is probed
+# The "wgmma_decode" layout (the kernels decode the weights to BF16 themselves; BF16
+# activations only): its configs, probed over the same weights in that layout.
+# Most promising first (``--top``).
+UP_DECODE = _configs([(16, 64, 1, 4, 3, 128), (16, 128, 1, 8, 3, 128), (16, 64, 1, 4, 3, 0),
+                      (32, 128, 1, 8, 3, 128), (16, 128, 1, 4, 3, 0), (16, 64, 1, 4, 4, 128)])
+DOWN_DECODE = _configs([(16, 128, 1, 4, 3, 0), (16, 128, 1, 8, 3, 96),
+                        (16, 256, 1, 8, 3, 128), (32, 128, 1, 8, 3, 128),
+                        (16, 128, 1, 4, 3, 128), (16, 64, 1, 4, 3, 0)])
+REF_UP_DECODE, REF_DOWN_DECODE = UP_DECODE[0], DOWN_DECODE[0]
 
 
 def copy_bandwidth() -> float:
@@ -133,22 +143,26 @@ class Batch:
         out = self.run(up, down, weights)[:self.sub * self.cfg.top_k].double()
         return ((out - self.ref.double()).norm() / self.ref.double().norm()).item()
 
-    def time_launch(self, kind, up, down) -> float:
+    def time_launch(self, kind, up, down, weights=None) -> float:
         with only(kind):
-            return timed_us(lambda: self.run(up, down))
+            return timed_us(lambda: self.run(up, down, weights))
 
 
-def probe_launch(batch: Batch, kind: str, space) -> tuple[float, dict]:
-    """(µs, config) of the fastest correct config of the ``kind`` launch."""
+def probe_launch(batch: Batch, kind: str, space, refs=(None, None),
+                 weights=None) -> tuple[float, dict]:
+    """(µs, config) of the fastest correct config of the ``kind`` launch (the other
+    launch at ``refs``' config, default REF_UP/REF_DOWN), over ``weights`` (default the
+    "wgmma" ones)."""
+    ref_up, ref_down = refs[0] or REF_UP, refs[1] or REF_DOWN
     results = []
     for config in space:
-        up, down = (config, REF_DOWN) if kind == "up" else (REF_UP, config)
+        up, down = (config, ref_down) if kind == "up" else (ref_up, config)
         try:
-            err = batch.error(up, down)
+            err = batch.error(up, down, weights)
             if not err < 1e-2:
                 print(f"  {kind} {config}: WRONG, rel err {err:.2e}", flush=True)
                 continue
-            us = batch.time_launch(kind, up, down)
+            us = batch.time_launch(kind, up, down, weights)
         except Exception as exc:  # a config that does not compile is reported and skipped
             print(f"  {kind} {config}: FAILED {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
@@ -163,7 +177,15 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--batches", type=int, nargs="+", default=[65, 256, 1024])
+    p.add_argument("--layouts", nargs="+", default=["wgmma"],
+                   choices=["wgmma", "wgmma_decode"],
+                   help="weight layouts to probe (each with its config list)")
+    p.add_argument("--no-untiled", action="store_true",
+                   help="skip timing the untiled (row-major) weights")
+    p.add_argument("--top", type=int, default=0,
+                   help="probe only the first N configs of each list (0: all)")
     args = p.parse_args(argv)
+    top = (lambda configs: configs[:args.top]) if args.top else (lambda configs: configs)
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     cfg = (WideMoEConfig.tiny if DRY else WideMoEConfig.kimi_k3)(tp=args.tp)
@@ -171,26 +193,39 @@ def main(argv=None) -> int:
     weights = tune.random_expert_weights(cfg, gen)
     weights["stock"] = (weights["w13"], weights["w13_scales"], weights["w2"],
                         weights["w2_scales"])
-    row_major = untiled(weights["prepared"])
+    row_major = None if args.no_untiled else untiled(weights["prepared"])
+    by_layout = {"wgmma": (weights["prepared"], top(UP), top(DOWN), (REF_UP, REF_DOWN))}
+    if "wgmma_decode" in args.layouts:
+        decoded = ex.prepare_weights(*weights["stock"], layout="wgmma_decode")
+        by_layout["wgmma_decode"] = (decoded, top(UP_DECODE), top(DOWN_DECODE),
+                                     (REF_UP_DECODE, REF_DOWN_DECODE))
     summary = []
     for b in args.batches:
         batch = Batch(cfg, weights, b, gen, copy_bw)
         floor = sum(batch.floor_us.values())
         print(f"\n== b={b}, {batch.touched} experts touched: floor up {batch.floor_us['up']:.0f}"
               f" us, down {batch.floor_us['down']:.0f} us", flush=True)
-        best_up = probe_launch(batch, "up", UP)
-        best_down = probe_launch(batch, "down", DOWN)
-        both = timed_us(lambda: batch.run(best_up[1], best_down[1]))
-        flat = timed_us(lambda: batch.run(best_up[1], best_down[1], row_major))
-        flat_err = batch.error(best_up[1], best_down[1], row_major)
-        print(f"  best: up {best_up[0]:.1f} + down {best_down[0]:.1f}, together {both:.1f} us "
-              f"({floor / both:.1%} of copy bw); untiled {flat:.1f} us (err {flat_err:.1e})")
-        summary.append((b, batch.touched, floor, both, flat, best_up[1], best_down[1]))
-    print("\n| b | touched | floor µs | best µs | of copy bw | untiled µs | up | down |")
-    print("|---|---|---|---|---|---|---|---|")
-    for b, touched, floor, both, flat, up, down in summary:
-        print(f"| {b} | {touched} | {floor:.0f} | {both:.0f} | {floor / both:.0%} | {flat:.0f} "
-              f"| {up} | {down} |")
+        for layout in args.layouts:
+            w, ups, downs, refs = by_layout[layout]
+            print(f" -- layout {layout}", flush=True)
+            best_up = probe_launch(batch, "up", ups, refs, w)
+            best_down = probe_launch(batch, "down", downs, refs, w)
+            both = timed_us(lambda: batch.run(best_up[1], best_down[1], w))
+            flat = float("nan")
+            if row_major is not None and layout == "wgmma":
+                flat = timed_us(lambda: batch.run(best_up[1], best_down[1], row_major))
+                print(f"  untiled {flat:.1f} us (err "
+                      f"{batch.error(best_up[1], best_down[1], row_major):.1e})")
+            print(f"  best {layout}: up {best_up[0]:.1f} + down {best_down[0]:.1f}, together "
+                  f"{both:.1f} us ({floor / both:.1%} of copy bw)", flush=True)
+            summary.append((b, batch.touched, layout, floor, both, flat, best_up[1],
+                            best_down[1]))
+    print("\n| b | touched | layout | floor µs | best µs | of copy bw | untiled µs | up "
+          "| down |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for b, touched, layout, floor, both, flat, up, down in summary:
+        print(f"| {b} | {touched} | {layout} | {floor:.0f} | {both:.0f} | {floor / both:.0%} "
+              f"| {flat:.0f} | {up} | {down} |")
     return 0
 
 

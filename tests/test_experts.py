@@ -15,6 +15,8 @@ import re
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -116,7 +118,8 @@ def launch(q, q_scales, ids, inter, *, layout="wgmma", generation=0, order_seed=
         "a workspace row past b*K was written"
     assert torch.isnan(work.h_values[P:].float()).all(), "an h_values row past b*K was written"
     assert torch.isnan(work.q_values[b:].float()).all(), "a q_values row past b was written"
-    if (config_down or ex.DEFAULT_DOWN)["A_BF16"]:  # the BF16 hidden is the MXFP8 one's value
+    default_down = ex.DEFAULT_DOWN_DECODE if layout == "wgmma_decode" else ex.DEFAULT_DOWN
+    if (config_down or default_down)["A_BF16"]:  # the BF16 hidden is the MXFP8 one's value
         h = mx.dequantize_mxfp8(work.h_codes[:P], work.h_scales[:P])
         assert torch.equal(work.h_values[:P].float(), h), "h_values differ from the hidden"
     return Run(rows.cpu(), work.h_codes[:P].cpu(), work.h_scales[:P].cpu())
@@ -268,10 +271,18 @@ FAST_UP = dict(ex.DEFAULT_UP, BLOCK_N=128)
 FAST_DOWN = dict(ex.DEFAULT_DOWN, BLOCK_N=256)
 
 
-def configs(a_bf16, wide=False):
-    """(config_up, config_down): the defaults (or FAST_*) with these activation formats."""
+def configs(a_bf16, wide=False, layout="wgmma"):
+    """(config_up, config_down): the defaults (or FAST_*) with these activation formats
+    (BF16 ones with the "wgmma_decode" layout, which takes no other)."""
     up, down = (FAST_UP, FAST_DOWN) if wide else (ex.DEFAULT_UP, ex.DEFAULT_DOWN)
-    return dict(up, A_BF16=a_bf16[0]), dict(down, A_BF16=a_bf16[1])
+    return for_layout(dict(up, A_BF16=a_bf16[0]), dict(down, A_BF16=a_bf16[1]), layout)
+
+
+def for_layout(up, down, layout):
+    """The configs as the layout takes them: BF16 activations for "wgmma_decode"."""
+    if layout == "wgmma_decode":
+        return dict(up, A_BF16=1), dict(down, A_BF16=1)
+    return up, down
 
 
 # ------------------------------------------------------------------------------ tests
@@ -298,7 +309,7 @@ def test_rows_match_reference(case, inter, a_bf16, layout, generation, block_k, 
     kind, b, seed = case
     ids = make_ids(kind, b, seed)
     q, qs = make_plan(b, seed)
-    up, down = configs(a_bf16, wide)
+    up, down = configs(a_bf16, wide, layout)
     run = launch(q, qs, ids, inter, layout=layout, generation=generation, order_seed=seed,
                  stale_ids=make_ids("random", b, seed + 1), config_up=up, config_down=down,
                  block_k=(block_k[0], min(block_k[1], inter)))
@@ -369,6 +380,7 @@ def test_config_and_layout_do_not_change_bits(case, inter, up, down, layout):
     ids = make_ids(kind, b, seed)
     q, qs = make_plan(b, seed)
     base = launch(q, qs, ids, inter)
+    up, down = for_layout(up, down, layout)
     other = launch(q, qs, ids, inter, layout=layout, config_up=up, config_down=down)
     assert base.same_bits(other), f"bits changed with {up}, {down}, layout {layout}"
 
@@ -380,6 +392,102 @@ def test_a_bf16_variants_are_bitwise_identical():
     runs = [launch(q, qs, ids, 128, config_up=up, config_down=down)
             for up, down in map(configs, ((0, 0), (1, 1)))]
     assert runs[0].same_bits(runs[1])
+
+
+@settings(max_examples=FEW)
+@given(case=cases, inter=st.sampled_from(INTERS), raised=st.integers(8, 40))
+@example(case=("hot", BM + 1, 10), inter=32, raised=40)
+def test_decode_layout_with_wide_scales_matches_dot_scaled_bits(case, inter, raised):
+    """Scale bytes above 128 (where the decode multiplies twice): the "wgmma_decode"
+    layout gives the bits dot_scaled's E2M1 path gives."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    q, qs = make_plan(b, seed)
+    w13, w13_s, w2, w2_s = stock_weights(inter)
+    gen = torch.Generator().manual_seed(seed)
+    # Raise a random half of the blocks by ``raised`` (their products stay exact).
+    lift = lambda s: torch.where(torch.rand(s.shape, generator=gen) < 0.5,  # noqa: E731
+                                 (s.int() + raised).clamp(max=254), s.int()).to(torch.uint8)
+    stock = (w13, lift(w13_s), w2, lift(w2_s))
+    assert max(int(stock[1].max()), int(stock[3].max())) > 128
+    runs = []
+    for layout in ("wgmma", "wgmma_decode"):
+        weights = ex.prepare_weights(*(t.to(DEVICE) for t in stock), layout=layout)
+        counts, pairs, gen_t = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
+        rows = poison(torch.empty(b * K, L, dtype=torch.bfloat16, device=DEVICE))
+        up, down = configs((1, 1))
+        ex.experts(q.to(DEVICE), qs.to(DEVICE), weights, counts, pairs, gen_t, K, BETA,
+                   LINEAR_BETA, rows=rows, config_up=up, config_down=down)
+        runs.append(rows.cpu().view(torch.int16))
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_word_code_is_a_permutation_of_the_word():
+    """Each bit of a "wgmma_decode" word holds one bit of one of its 8 codes, and every
+    code bit has one place: the moves of the kernel's decode cover the word once."""
+    table = ex.word_code()
+    assert sorted(table) == [(p, h, c) for p in range(4) for h in range(2) for c in range(4)]
+
+
+@given(block_k=st.sampled_from([32, 64, 128, 256]), seed=seeds)
+def test_encode_words_keeps_each_word_and_inverts(block_k, seed):
+    """``encode_words`` moves bits only within each 4-byte word (a lane's 8 codes of a
+    32-element block): each word keeps its number of set bits; and it decodes back."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (2, 3, 256), generator=gen, dtype=torch.uint8)
+    enc = ex.encode_words(codes, block_k)
+    ones = lambda t: torch.stack([(t >> i) & 1 for i in range(8)]).sum(0)  # noqa: E731
+    assert torch.equal(ones(enc).reshape(2, 3, -1, 4).sum(-1),
+                       ones(codes).reshape(2, 3, -1, 4).sum(-1))
+    assert torch.equal(ex.decode_words(enc, block_k), codes)
+    assert not torch.equal(enc, codes)
+
+
+@triton.jit
+def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, K: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_K: tl.constexpr, WIDE_SCALES: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    for k0 in range(0, K, BLOCK_K):
+        v = ex._decoded_weights(w_ptr, s_ptr, rows, k0, K, ROWS, BLOCK_K, ex.ROW_BLOCK,
+                                WIDE_SCALES, True)
+        tl.store(out_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], v)
+
+
+@settings(max_examples=FEW)
+@given(block_k=st.sampled_from([32, 128]), full_range=st.booleans(), seed=seeds)
+@example(block_k=128, full_range=True, seed=3)
+def test_decoded_weights_are_the_exact_values(block_k, full_range, seed):
+    """The kernel's decode of a "wgmma_decode" tile: every weight's exact value (code
+    times 2**(scale - 127)), bit for bit, for scale bytes over the whole E8M0 range
+    (0..254, overflow to Inf included) or as drawn. Runs the interpreter's arithmetic
+    (FP32); the GPU's BF16 multiply of the same bits is checked on the GPU only."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, k = 2 * ex.ROW_BLOCK, 256
+    codes, scales = mx.quantize_mxfp4(torch.randn(1, rows, k, generator=gen))
+    if full_range:
+        scales = torch.randint(0, 255, scales.shape, generator=gen, dtype=torch.uint8)
+    w = ex.prepare_weights(codes, scales, torch.zeros(1, k, rows // 4, dtype=torch.uint8),
+                           torch.zeros(1, k, rows // 64, dtype=torch.uint8),
+                           layout="wgmma_decode", block_k_up=block_k)
+    assert w.wide_scales_up == bool((scales > 128).any())
+    out = poison(torch.empty(rows, k, dtype=torch.bfloat16, device=DEVICE))
+    _decode_tile_kernel[(1,)](w.w13.view(torch.int32), w.w13_scales, out, K=k, ROWS=rows,
+                              BLOCK_K=block_k, WIDE_SCALES=w.wide_scales_up)
+    want = mx.dequantize_mxfp4(codes, scales)[0].to(torch.bfloat16)
+    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+
+
+def test_decode_layout_refuses_e4m3_activations():
+    """The "wgmma_decode" layout with a config asking for E4M3 activations is a named
+    error, not a silent switch."""
+    ids = make_ids("random", 2, 11)
+    q, qs = make_plan(2, 11)
+    counts, pairs, gen = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
+    for name, up, down in (("config_up", ex.DEFAULT_UP, ex.DEFAULT_DOWN_DECODE),
+                           ("config_down", ex.DEFAULT_UP_DECODE, ex.DEFAULT_DOWN)):
+        with pytest.raises(ValueError, match=f"^{name}\\['A_BF16'\\] must be 1"):
+            ex.experts(q.to(DEVICE), qs.to(DEVICE), prepared(32, "wgmma_decode"), counts,
+                       pairs, gen, K, BETA, LINEAR_BETA, config_up=up, config_down=down)
 
 
 def test_empty_batch_launches_nothing():

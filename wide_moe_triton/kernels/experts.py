@@ -63,6 +63,7 @@ from .. import mx
 from ..config import MX_BLOCK
 from ..tuning import config_for
 from .bits import f32_to_bf16_bits
+from .front import _interpreting
 from .plan import mxfp8_tile
 from .situ import situ
 
@@ -73,6 +74,9 @@ DEFAULT_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 0, "num_warps": 4, "num_st
               "maxnreg": 128}
 DEFAULT_DOWN = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
                 "maxnreg": 0}
+# With the "wgmma_decode" layout (which takes BF16 activations only): the same tiles.
+DEFAULT_UP_DECODE = dict(DEFAULT_UP, A_BF16=1)
+DEFAULT_DOWN_DECODE = dict(DEFAULT_DOWN, A_BF16=1)
 # BLOCK_K is deliberately absent: it fixes the reduction order, so it is a function of
 # the shape only (``reduction_block``), never of the batch-width bucket.
 SPACE_UP = [{"BLOCK_M": m, "BLOCK_N": n, "A_BF16": a, "num_warps": w, "num_stages": s,
@@ -96,7 +100,9 @@ CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "A_BF16", "num_warps", "num_stages", "maxnr
 BLOCK_K_UP = 128
 BLOCK_K_DOWN = 128
 
-LAYOUTS = ("wgmma", "nk")
+LAYOUTS = ("wgmma", "wgmma_decode", "nk")
+# Layouts the kernels read in tiles of row_block rows by one reduction step, lane-ordered.
+TILED_LAYOUTS = ("wgmma", "wgmma_decode")
 # Rows of a weight tile in the "wgmma" layout: one wgmma M atom (64 rows a warpgroup).
 ROW_BLOCK = 64
 
@@ -136,6 +142,11 @@ class ExpertWeights:
       bytes of each row in lane order (``lane_order``). A program streaming a row block
       then reads one contiguous run of memory, where row-major order would have it
       read a short piece of every row (one DRAM page each).
+    - "wgmma_decode": the tiles and lane order of "wgmma", and within each 4-byte word
+      (the 8 codes a thread feeds one MMA row per 32 reduction elements) the 32 bits
+      permuted (``encode_words``) so that the kernels' own decode (``_bf16_pairs``), a
+      few shifts and masks a word, places each code's bits in the BF16 fields of the
+      MMA's registers; ``tl.dot_scaled`` then takes the weights as exact BF16.
 
     The reduction steps are fixed here, at build, because they fix the order of every
     FP32 sum (see the module docstring)."""
@@ -151,6 +162,10 @@ class ExpertWeights:
     block_k_up: int
     block_k_down: int
     row_block: int
+    # Any scale byte above 128 in w13_scales / w2_scales: the decode then multiplies
+    # twice (``_scale_factors``), since 2**(s - 1) overflows BF16 past s = 128.
+    wide_scales_up: bool = True
+    wide_scales_down: bool = True
 
     @property
     def device(self) -> torch.device:
@@ -160,11 +175,12 @@ class ExpertWeights:
         """The stock tensors (w13, w13_scales, w2, w2_scales) these bytes came from."""
         if self.layout == "nk":
             return self.w13, self.w13_scales, self.w2, self.w2_scales
-        return (untile(lane_order(self.w13, self.block_k_up, inverse=True), self.row_block,
-                       self.block_k_up // 2),
+        words = decode_words if self.layout == "wgmma_decode" else (lambda t, bk: t)
+        return (untile(lane_order(words(self.w13, self.block_k_up), self.block_k_up,
+                                  inverse=True), self.row_block, self.block_k_up // 2),
                 untile(self.w13_scales, self.row_block, self.block_k_up // MX_BLOCK),
-                untile(lane_order(self.w2, self.block_k_down, inverse=True), self.row_block,
-                       self.block_k_down // 2),
+                untile(lane_order(words(self.w2, self.block_k_down), self.block_k_down,
+                                  inverse=True), self.row_block, self.block_k_down // 2),
                 untile(self.w2_scales, self.row_block, self.block_k_down // MX_BLOCK))
 
 
@@ -182,6 +198,73 @@ def lane_order(codes: torch.Tensor, block_k: int, inverse: bool = False) -> torc
     split = (steps, 4) if not inverse else (4, steps)
     blocks = codes.reshape(*codes.shape[:-1], -1, *split)
     return blocks.transpose(-1, -2).contiguous().reshape(codes.shape)
+
+
+# The BF16 fields each E2M1 code bit lands in: code bit 0 (mantissa) at 6, bits 1..2
+# (exponent) at 7..8, bit 3 (sign) at 15, of the low (code h = 0) or high (h = 1) half of
+# a register. There the bits read as the code's value times 2**-126, subnormal 0.5 and
+# zero included.
+_FIELD_OF_CODE_BIT = (6, 7, 8, 15)
+BF16_PAIR_FIELDS: tl.constexpr = tl.constexpr(0x81C081C0)
+
+
+def _source_bit(pair: int, target: int) -> int:
+    """The word bit that ``_bf16_pairs`` moves to bit ``target`` of its output ``pair``
+    (the same shifts, written for the host)."""
+    if pair == 0:
+        return target
+    if pair == 1:
+        return target - 6
+    if pair == 2:
+        return (target + 4) % 32
+    return target - 2 if (0x80C080C0 >> target) & 1 else target + 6
+
+
+def word_code() -> list[tuple[int, int, int]]:
+    """Bit b of a "wgmma_decode" word holds bit ``word_code()[b] = (pair, half, code_bit)``
+    of the code of element 8*(pair // 2) ... (see ``encode_words``): the inverse of
+    ``_bf16_pairs``'s moves."""
+    table = [None] * 32
+    for pair in range(4):
+        for half in range(2):
+            for code_bit, field in enumerate(_FIELD_OF_CODE_BIT):
+                table[_source_bit(pair, field + 16 * half)] = (pair, half, code_bit)
+    if None in table:
+        raise AssertionError("the decode's moves do not cover the word")
+    return table
+
+
+def _word_elements(codes: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Lane-ordered packed codes [..., K/2] as nibbles [..., K/block_k, 4 (lane q),
+    block_k/32 (word), 4 (pair), 2 (half)]: the 8 codes of each of a lane's words, in
+    the order its MMA registers take them (element 32*word + 8*pair + 2*q + half)."""
+    steps, words = codes.shape[-1] * 2 // block_k, block_k // 32
+    bytes_ = codes.reshape(*codes.shape[:-1], steps, 4, words, 4)  # lane-ordered: q major
+    nib = torch.stack((bytes_ & 15, bytes_ >> 4), dim=-1)  # byte i of lane q: pair i, halves
+    return nib
+
+
+def encode_words(codes: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Lane-ordered packed E2M1 codes (``lane_order``) [..., K/2] with each 4-byte word
+    (a lane's 8 codes of 32 reduction elements) re-encoded bit by bit as ``word_code``
+    says, little-endian (same shape, uint8)."""
+    nib = _word_elements(codes, block_k).to(torch.int64)
+    word = torch.zeros(nib.shape[:-2], dtype=torch.int64, device=codes.device)
+    for bit, (pair, half, code_bit) in enumerate(word_code()):
+        word |= ((nib[..., pair, half] >> code_bit) & 1) << bit
+    out = torch.stack([(word >> (8 * i)) & 255 for i in range(4)], dim=-1)
+    return out.to(torch.uint8).reshape(codes.shape)
+
+
+def decode_words(words: torch.Tensor, block_k: int) -> torch.Tensor:
+    """The inverse of ``encode_words``."""
+    steps, n = words.shape[-1] * 2 // block_k, block_k // 32
+    b = words.reshape(*words.shape[:-1], steps, 4, n, 4).to(torch.int64)
+    word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
+    nib = torch.zeros(*word.shape, 4, 2, dtype=torch.int64, device=words.device)
+    for bit, (pair, half, code_bit) in enumerate(word_code()):
+        nib[..., pair, half] |= ((word >> bit) & 1) << code_bit
+    return (nib[..., 0] | nib[..., 1] << 4).to(torch.uint8).reshape(words.shape)
 
 
 def tile(t: torch.Tensor, row_block: int, step: int) -> torch.Tensor:
@@ -225,7 +308,8 @@ def prepare_weights(w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tenso
     """The stock MXFP4 experts (see ``reference.expert_rows``) as the kernels stream them:
     a one-time conversion at module build, no change of any value.
 
-    ``layout``: "wgmma" or "nk" (``ExpertWeights``; default ``default_layout``).
+    ``layout``: "wgmma", "wgmma_decode" or "nk" (``ExpertWeights``; default
+    ``default_layout``).
     ``block_k_up``/``block_k_down``: the reduction steps along L and along I (powers of
     two >= 32 dividing them; default ``reduction_block``). Weights holding the NaN scale
     byte are refused (ValueError)."""
@@ -254,15 +338,18 @@ def prepare_weights(w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tenso
     _check_scales_finite("w2_scales", w2_scales)
     w13, w13_scales, w2, w2_scales = (t.contiguous() for t in (w13, w13_scales, w2, w2_scales))
     row_block = 1
-    if layout == "wgmma":
+    wide_up, wide_down = bool((w13_scales > 128).any()), bool((w2_scales > 128).any())
+    if layout in TILED_LAYOUTS:
+        words = encode_words if layout == "wgmma_decode" else (lambda t, bk: t)
         row_block = ROW_BLOCK if latent % ROW_BLOCK == 0 else MX_BLOCK  # divides L and 2I
-        w13 = tile(lane_order(w13, bk_up), row_block, bk_up // 2)
+        w13 = tile(words(lane_order(w13, bk_up), bk_up), row_block, bk_up // 2)
         w13_scales = tile(w13_scales, row_block, bk_up // MX_BLOCK)
-        w2 = tile(lane_order(w2, bk_down), row_block, bk_down // 2)
+        w2 = tile(words(lane_order(w2, bk_down), bk_down), row_block, bk_down // 2)
         w2_scales = tile(w2_scales, row_block, bk_down // MX_BLOCK)
     return ExpertWeights(w13, w13_scales, w2, w2_scales, layout=layout, num_experts=E,
                          latent=latent, inter=inter, block_k_up=bk_up, block_k_down=bk_down,
-                         row_block=row_block)
+                         row_block=row_block, wide_scales_up=wide_up,
+                         wide_scales_down=wide_down)
 
 
 # --------------------------------------------------------------------------- workspace
@@ -380,6 +467,85 @@ def _weight_codes(w_ptr, rows, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
+def _bf16_pairs(w):
+    """The four BF16 pairs (uint32 [...], low half first) of "wgmma_decode" words w
+    (uint32 [...]): pair p holds codes 2p, 2p+1 of the word's 8 as value * 2**-126, each
+    code's sign and E, E, M bits moved to bits 15, 8, 7, 6 of its half (``word_code``
+    is the inverse on the host). A shift and a mask a pair, the last two of each."""
+    p0 = w & BF16_PAIR_FIELDS
+    p1 = (w << 6) & BF16_PAIR_FIELDS
+    p2 = ((w >> 4) | (w << 28)) & BF16_PAIR_FIELDS
+    p3 = ((w << 2) & 0x80C080C0) | ((w >> 6) & 0x01000100)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _halves(pairs, INTERPRET: tl.constexpr):
+    """The BF16 values [..., 2] (low half, high half) of uint32 pairs [...] (FP32 when
+    INTERPRET: Triton's interpreter computes BF16 products wrongly and flushes BF16
+    subnormals; FP32 holds the same values, and their products as exactly)."""
+    if INTERPRET:
+        lo = (pairs << 16).to(tl.float32, bitcast=True)
+        hi = (pairs & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (pairs & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _power_of_two(biased, INTERPRET: tl.constexpr):
+    """2**(biased - 127) for int32 ``biased`` in 1..254: BF16 (FP32 when INTERPRET)."""
+    if INTERPRET:
+        return (biased << 23).to(tl.float32, bitcast=True)
+    return (biased << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _scale_factors(scales, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Factors (f1, f2) [...] of E8M0 scale bytes s [...] with f1 * f2 = 2**(s - 1), the
+    factor that turns a decoded value * 2**-126 into value * 2**(s - 127); each a power
+    of two in BF16's range, so both products are exact. Without WIDE_SCALES every s is
+    <= 128 (``prepare_weights`` checked) and f2 is not needed (returned as f1)."""
+    s = scales.to(tl.int32)
+    if WIDE_SCALES:
+        f1 = _power_of_two(tl.minimum(s, 128) + 126, INTERPRET)
+        f2 = _power_of_two(tl.maximum(s, 128) - 1, INTERPRET)
+    else:
+        f1 = _power_of_two(s + 126, INTERPRET)
+        f2 = f1
+    return f1, f2
+
+
+@triton.jit
+def _decoded_weights(w_ptr, s_ptr, rows, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                     WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Exact BF16 values [BLOCK_N, BLOCK_K] of weight ``rows`` of a [*, K] expert matrix
+    in the "wgmma_decode" layout (w_ptr: its words, int32), reduction k0 .. k0+BLOCK_K-1.
+
+    Lane q's words of a row are one contiguous vector (lane order), and word i's 8 codes
+    are elements 32*i + 8*p + 2*q + h (pair p, half h): the joins and the permute below
+    put each pair in the register the tensor cores take it from, so they move no data."""
+    WORDS: tl.constexpr = BLOCK_K // 32
+    q = tl.arange(0, 4)[None, None, :]
+    i = tl.arange(0, WORDS)[None, :, None]
+    chunk = _row_chunks(rows, k0, K // 8, BLOCK_K // 8, ROW_BLOCK, BLOCK_K)
+    w = tl.load(w_ptr + chunk[:, None, None] + q * WORDS + i).to(tl.uint32, bitcast=True)
+    p0, p1, p2, p3 = _bf16_pairs(w)  # [BLOCK_N, WORDS, 4]
+    # [.., 4 (q), 2, 2 (pair), 2 (half)]
+    v = _halves(tl.join(tl.join(p0, p2), tl.join(p1, p3)), INTERPRET)
+    f1, f2 = _scale_factors(_weight_scales(s_ptr, rows, k0, K, BLOCK_K, ROW_BLOCK),
+                            WIDE_SCALES, INTERPRET)
+    v = v * f1[:, :, None, None, None, None]
+    if WIDE_SCALES:
+        v = v * f2[:, :, None, None, None, None]
+    if INTERPRET:  # the FP32 values are exact BF16 ones: their top halves are those bits
+        v = (v.to(tl.uint32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.permute(v, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
 def _weight_scales(s_ptr, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
                    ROW_BLOCK: tl.constexpr):
     """E8M0 scale bytes uint8 [BLOCK_N, BLOCK_K/32] of weight ``rows`` of a [*, K]
@@ -471,6 +637,44 @@ def _mx_dot(acc, w, w_scales, a, a_scales, A_BF16: tl.constexpr):
                              fast_math=True)
 
 
+@triton.jit
+def _bf16_weights_dot(acc, w, a, INTERPRET: tl.constexpr):
+    """acc + W @ A in FP32 of BF16 weights W [N, K] (``_decoded_weights``) and BF16
+    activations A [K, M] (``_bf16_activations``).
+
+    Triton's interpreter runs dot_scaled's "bf16" operands as if FP16 (values past 65504
+    become Inf, subnormals 0), so there the same exact values go to an FP32 dot, which
+    it sums as it sums dot_scaled (one FP32 matmul)."""
+    if INTERPRET:
+        return tl.dot(_bf16_as_f32(w), _bf16_as_f32(a), acc, input_precision="ieee")
+    return tl.dot_scaled(w, None, "bf16", a, None, "bf16", acc, fast_math=True)
+
+
+@triton.jit
+def _bf16_as_f32(x):
+    """The FP32 values of BF16 ``x``, built on the bits (subnormals kept)."""
+    bits = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weights_dot(acc, w_e, ws_e, rows, k0, a, a_s, K: tl.constexpr, A_BF16: tl.constexpr,
+                 DECODE: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """acc + W[rows, k0 .. k0+BLOCK_K-1] @ A.T for the expert matrix at w_e (codes: words
+    when DECODE, the "wgmma_decode" layout, which takes BF16 activations only; bytes
+    otherwise) and ws_e (scales)."""
+    if DECODE:
+        w = _decoded_weights(w_e, ws_e, rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
+                             WIDE_SCALES, INTERPRET)
+        return _bf16_weights_dot(acc, w, a, INTERPRET)
+    else:
+        w = _weight_codes(w_e, rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
+        w_s = _weight_scales(ws_e, rows, k0, K, BLOCK_K, ROW_BLOCK)
+        return _mx_dot(acc, w, w_s, a, a_s, A_BF16)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
@@ -479,20 +683,22 @@ def _experts_up_kernel(
         w_ptr, ws_ptr, h_ptr, hs_ptr, hv_ptr, num_experts, wide_rows, beta, linear_beta,
         LATENT: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
         HAS_LINEAR_BETA: tl.constexpr, A_BF16: tl.constexpr, STORE_VALUES: tl.constexpr,
-        ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+        ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
+        WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr):
     """Program (e, j): hidden columns j*BLOCK_N .. of every pair listed for expert e,
     h = mxfp8(situ(W13_gate q, W13_up q)), stored at the pair's workspace row (and its
     exact BF16 values too, when STORE_VALUES). A_BF16: the activations are the plan's
-    BF16 values (``q_values``) rather than its codes and scales."""
+    BF16 values (``q_values``) rather than its codes and scales. DECODE: the weights are
+    in the "wgmma_decode" layout, w_ptr their int32 words."""
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     n_in = _clamped(n, INTER)
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
                                       num_experts, wide_rows)
-    w_e = w_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 2)
+    w_e = w_ptr + e.to(tl.int64) * (2 * INTER * LATENT // (8 if DECODE else 2))
     ws_e = ws_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 32)
     up_in = n_in + INTER  # the up rows follow the I gate rows
     sc = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
@@ -509,12 +715,22 @@ def _experts_up_kernel(
             a_next, a_s_next = _activation_tile(q_ptr, qs_ptr, qv_ptr, token,
                                                 (k0 + BLOCK_K) % LATENT, LATENT, A_BF16,
                                                 BLOCK_K)
-            wg = _weight_codes(w_e, n_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
-            wg_s = _weight_scales(ws_e, n_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
-            wu = _weight_codes(w_e, up_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
-            wu_s = _weight_scales(ws_e, up_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
-            acc_g = _mx_dot(acc_g, wg, wg_s, a, a_s, A_BF16)
-            acc_u = _mx_dot(acc_u, wu, wu_s, a, a_s, A_BF16)
+            if DECODE:
+                acc_g = _weights_dot(acc_g, w_e, ws_e, n_in, k0, a, a_s, LATENT, A_BF16,
+                                     DECODE, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER,
+                                     BLOCK_N, BLOCK_K)
+                acc_u = _weights_dot(acc_u, w_e, ws_e, up_in, k0, a, a_s, LATENT, A_BF16,
+                                     DECODE, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER,
+                                     BLOCK_N, BLOCK_K)
+            else:  # both tiles loaded ahead of both dots: measurably fewer instructions
+                wg = _weight_codes(w_e, n_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK,
+                                   WGMMA_ORDER)
+                wg_s = _weight_scales(ws_e, n_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
+                wu = _weight_codes(w_e, up_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK,
+                                   WGMMA_ORDER)
+                wu_s = _weight_scales(ws_e, up_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
+                acc_g = _mx_dot(acc_g, wg, wg_s, a, a_s, A_BF16)
+                acc_u = _mx_dot(acc_u, wu, wu_s, a, a_s, A_BF16)
             a, a_s = a_next, a_s_next
         h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
         codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
@@ -533,19 +749,20 @@ def _experts_down_kernel(
         h_ptr, hs_ptr, hv_ptr, counts_ptr, pairs_ptr, generation_ptr,
         w_ptr, ws_ptr, rows_ptr, num_experts, wide_rows,
         LATENT: tl.constexpr, INTER: tl.constexpr, A_BF16: tl.constexpr,
-        ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+        ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
+        WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr):
     """Program (e, j): latent columns j*BLOCK_N .. of every pair listed for expert e,
     rows[p] = bf16(W2_e h[p]), from the MXFP8 hidden in the workspace (its BF16 values
-    when A_BF16)."""
+    when A_BF16; DECODE as in the up kernel)."""
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < LATENT
     n_in = _clamped(n, LATENT)
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
                                       num_experts, wide_rows)
-    w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // 2)
+    w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // (8 if DECODE else 2))
     ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
@@ -555,9 +772,8 @@ def _experts_down_kernel(
             # A step ahead by hand, as in the up kernel.
             a_next, a_s_next = _activation_tile(h_ptr, hs_ptr, hv_ptr, pair,
                                                 (k0 + BLOCK_K) % INTER, INTER, A_BF16, BLOCK_K)
-            w = _weight_codes(w_e, n_in, k0, INTER, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
-            w_s = _weight_scales(ws_e, n_in, k0, INTER, BLOCK_K, ROW_BLOCK)
-            acc = _mx_dot(acc, w, w_s, a, a_s, A_BF16)
+            acc = _weights_dot(acc, w_e, ws_e, n_in, k0, a, a_s, INTER, A_BF16, DECODE,
+                               WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K)
             a, a_s = a_next, a_s_next
         tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
                  f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & n_ok[None, :])
@@ -599,6 +815,15 @@ def _check_config(name: str, config: dict) -> dict:
     if config["A_BF16"] not in (0, 1):
         raise ValueError(f"{name}['A_BF16'] must be 0 or 1, got {config['A_BF16']}")
     return config
+
+
+def _check_decode_config(name: str, config: dict) -> None:
+    # With BF16 weights and E4M3 activations, Triton 3.6 lowers dot_scaled with the
+    # operands swapped and the weights through shared memory (no wgmma from registers):
+    # the decoded layout is only worth it with BF16 activations.
+    if not config["A_BF16"]:
+        raise ValueError(f"{name}['A_BF16'] must be 1 with weights in the 'wgmma_decode' "
+                         f"layout (their BF16 tile needs BF16 activations beside it)")
 
 
 def _check_block_k(name: str, block_k: int, dim: int, dim_name: str) -> int:
@@ -690,28 +915,40 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
     if workspace is None:
         workspace = make_workspace(b, top_k, L, inter, device)
     ws = _check_workspace(workspace, b, top_k, L, inter, device)
-    key = shape_key(L, inter, E)
+    decode = weights.layout == "wgmma_decode"
+    key = shape_key(L, inter, E) + ("_decode" if decode else "")
     cfg_up = _check_config("config_up", config_up if config_up is not None else
-                           config_for(KERNEL_UP, key, b, DEFAULT_UP, device))
+                           config_for(KERNEL_UP, key, b,
+                                      DEFAULT_UP_DECODE if decode else DEFAULT_UP, device))
     cfg_down = _check_config("config_down", config_down if config_down is not None else
-                             config_for(KERNEL_DOWN, key, b, DEFAULT_DOWN, device))
+                             config_for(KERNEL_DOWN, key, b,
+                                        DEFAULT_DOWN_DECODE if decode else DEFAULT_DOWN,
+                                        device))
+    if decode:
+        _check_decode_config("config_up", cfg_up)
+        _check_decode_config("config_down", cfg_down)
     if num_pairs == 0:
         return rows
     if cfg_up["A_BF16"]:
         _plan_values(q, q_scales, ws.q_values)
-    tiles = dict(ROW_BLOCK=weights.row_block, WGMMA_ORDER=weights.layout == "wgmma")
+    tiles = dict(ROW_BLOCK=weights.row_block, WGMMA_ORDER=weights.layout in TILED_LAYOUTS,
+                 DECODE=decode, INTERPRET=_interpreting())
+    codes = (lambda t: t.view(torch.int32)) if decode else (lambda t: t)
     _experts_up_kernel[(E, triton.cdiv(inter, cfg_up["BLOCK_N"]))](
-        q, q_scales, ws.q_values, counts, pairs, generation, weights.w13, weights.w13_scales,
+        q, q_scales, ws.q_values, counts, pairs, generation, codes(weights.w13),
+        weights.w13_scales,
         ws.h_codes, ws.h_scales, ws.h_values, E, wide_rows, float(beta),
         float(linear_beta) if linear_beta is not None else 1.0,
         LATENT=L, INTER=inter, TOP_K=top_k, HAS_LINEAR_BETA=linear_beta is not None,
         A_BF16=cfg_up["A_BF16"], STORE_VALUES=cfg_down["A_BF16"], **tiles,
+        WIDE_SCALES=weights.wide_scales_up,
         BLOCK_M=cfg_up["BLOCK_M"], BLOCK_N=cfg_up["BLOCK_N"], BLOCK_K=weights.block_k_up,
         NUM_STAGES=cfg_up["num_stages"], **_launch_options(cfg_up))
     _experts_down_kernel[(E, triton.cdiv(L, cfg_down["BLOCK_N"]))](
-        ws.h_codes, ws.h_scales, ws.h_values, counts, pairs, generation, weights.w2,
+        ws.h_codes, ws.h_scales, ws.h_values, counts, pairs, generation, codes(weights.w2),
         weights.w2_scales, rows.view(torch.int16), E, wide_rows,
         LATENT=L, INTER=inter, A_BF16=cfg_down["A_BF16"], **tiles,
+        WIDE_SCALES=weights.wide_scales_down,
         BLOCK_M=cfg_down["BLOCK_M"], BLOCK_N=cfg_down["BLOCK_N"],
         BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"],
         **_launch_options(cfg_down))

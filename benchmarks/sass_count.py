@@ -1,0 +1,136 @@
+"""The experts kernels' inner loop as the H200 runs it, counted without a GPU.
+
+    /work/v36/bin/python benchmarks/sass_count.py [wgmma] [wgmma_decode]   (WIDE=1: the
+    decode's wide-scale variant)
+
+Compiles the up and down kernels ahead of time with Triton 3.6 for sm_90 at TP8
+production dims (L 3584, I 384, BLOCK_K as prepare_weights sets it) at DEFAULT_UP /
+DEFAULT_DOWN (A_BF16 0 and 1; 1 only for "wgmma_decode"), pointers specialized 16-aligned
+as the JIT does, and prints registers, stack (spills), the ttgir's local_alloc /
+convert_layout counts and the SASS histogram of the smallest loop holding HGMMA, per
+weight element a thread decodes an iteration (loop instructions x threads / elements)."""
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton
+from triton.compiler import ASTSource
+from triton.backends.compiler import GPUTarget
+from wide_moe_triton.kernels import experts as ex
+
+L, I = 3584, 384
+WIDE = bool(int(os.environ.get("WIDE", "0")))
+CUOBJ = "/work/v36/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump"
+
+def compile_kernel(kind, cfg, layout="wgmma"):
+    dec = ex.LAYOUT_DECODE.get(layout, 0) if hasattr(ex, "LAYOUT_DECODE") else 0
+    if kind == "up":
+        fn = ex._experts_up_kernel
+        sig = {n: t for n, t in zip(
+            ["q_ptr", "qs_ptr", "qv_ptr", "counts_ptr", "pairs_ptr", "generation_ptr", "w_ptr",
+             "ws_ptr", "h_ptr", "hs_ptr", "hv_ptr", "num_experts", "wide_rows", "beta",
+             "linear_beta"],
+            ["*u8", "*u8", "*bf16", "*i32", "*i32", "*i32", "*u8", "*u8", "*u8", "*u8", "*bf16",
+             "i32", "i32", "fp32", "fp32"])}
+        bk = ex.reduction_block(L, ex.BLOCK_K_UP)
+        const = dict(LATENT=L, INTER=I, TOP_K=16, HAS_LINEAR_BETA=True, A_BF16=cfg["A_BF16"],
+                     STORE_VALUES=0, BLOCK_K=bk)
+    else:
+        fn = ex._experts_down_kernel
+        sig = {n: t for n, t in zip(
+            ["h_ptr", "hs_ptr", "hv_ptr", "counts_ptr", "pairs_ptr", "generation_ptr", "w_ptr",
+             "ws_ptr", "rows_ptr", "num_experts", "wide_rows"],
+            ["*u8", "*u8", "*bf16", "*i32", "*i32", "*i32", "*u8", "*u8", "*i16", "i32", "i32"])}
+        bk = ex.reduction_block(I, ex.BLOCK_K_DOWN)
+        const = dict(LATENT=L, INTER=I, A_BF16=cfg["A_BF16"], BLOCK_K=bk)
+    dec = layout == "wgmma_decode"
+    if dec:
+        sig["w_ptr"] = "*i32"
+    const.update(DECODE=dec, WIDE_SCALES=WIDE, INTERPRET=False)
+    const.update(ROW_BLOCK=64, WGMMA_ORDER=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+                 NUM_STAGES=cfg["num_stages"])
+    const.update(ex._layout_constexprs(layout) if hasattr(ex, "_layout_constexprs") else {})
+    for k in list(const):
+        if k not in fn.arg_names:
+            del const[k]
+    for k in fn.arg_names:
+        if k not in sig and k not in const:
+            raise SystemExit(f"missing {k}")
+    opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg.get("maxnreg"):
+        opts["maxnreg"] = cfg["maxnreg"]
+    # as the JIT specializes: 16-aligned pointers, int args divisible by 16 (E 896, wide rows)
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if t.startswith("*") or n in ("num_experts", "wide_rows")}
+    src = ASTSource(fn, signature={k: v for k, v in sig.items()}, constexprs=const, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+    return k, bk
+
+def _cuobjdump(flag, path):
+    return subprocess.run([CUOBJ, flag, path], capture_output=True, text=True).stdout
+
+
+def sass_of(k):
+    """SASS of a compiled kernel; sets k.res = (registers, stack/local bytes)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+        path = f.name
+    res = _cuobjdump("--dump-resource-usage", path)
+    field = lambda name: re.search(name + r":(\d+)", res).group(1)  # noqa: E731
+    k.res = (int(field("REG")), f"{field('STACK')}B stack, local {field('LOCAL')}")
+    return _cuobjdump("--dump-sass", path)
+
+def loops_by_labels(sass):
+    insts = []
+    for l in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", l)
+        if m:
+            insts.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for i, (ad, ins) in enumerate(insts):
+        m = re.search(r"BRA\s+0x([0-9a-f]+)", ins)
+        if m and int(m.group(1), 16) <= ad:
+            start = int(m.group(1), 16)
+            body = [x for a2, x in insts if start <= a2 <= ad]
+            if any("HGMMA" in x for x in body):
+                loops.append(body)
+    return min(loops, key=len) if loops else []
+
+def hist(body):
+    c = collections.Counter()
+    for ins in body:
+        ins = re.sub(r"^@!?U?P\w+\s+", "", ins)
+        op = ins.split()[0]
+        c[op.split(".")[0]] += 1
+    return c
+
+def report(kind, cfg, layout="wgmma", show=False):
+    k, bk = compile_kernel(kind, cfg, layout)
+    sass = sass_of(k)
+    body = loops_by_labels(sass)
+    h = hist(body)
+    # weight elements a thread decodes per iteration: the loop runs once per thread
+    elems = cfg["BLOCK_N"] * bk * (2 if kind == "up" else 1) / (32 * cfg["num_warps"])
+    ttgir = k.asm["ttgir"]
+    n_local = ttgir.count("ttg.local_alloc"); n_cvt = ttgir.count("ttg.convert_layout")
+    print(f"{kind} {layout} {cfg} BK={bk}: regs {k.res[0]} spills {k.res[1]}; loop "
+          f"{len(body)} instr / {elems} weight elems = {len(body) / elems:.2f} per elem; "
+          f"ttgir local_alloc {n_local} convert_layout {n_cvt}")
+    print("   " + "  ".join(f"{op} {n / elems:.3f}" for op, n in h.most_common(16)))
+    spills = sass.count("STL") + sass.count("LDL")
+    print(f"   spill ops in loop: {h['STL'] + h['LDL']}, in kernel: {spills}")
+    if show:  # the listings, for reading
+        for ext, text in (("ttgir", ttgir), ("sass", sass), ("ptx", k.asm["ptx"])):
+            with open(f"{kind}_{layout}.{ext}", "w") as f:
+                f.write(text)
+    return len(body) / elems
+
+if __name__ == "__main__":
+    layouts = sys.argv[1:] or ["wgmma"]
+    for layout in layouts:
+        for kind, cfg in (("up", ex.DEFAULT_UP), ("down", ex.DEFAULT_DOWN)):
+            for a in ((1,) if layout == "wgmma_decode" else (0, 1)):
+                report(kind, dict(cfg, A_BF16=a), layout)
