@@ -2,10 +2,12 @@
 # What a lease of the H200 runs, one device-tool call a step (each under 10 min), every
 # output under $OUT. Carry .peers/ (benchmarks/NOTES.md, "Peers tried").
 #   check  every test, compiled by this GPU's Triton (about 5 min with 8 workers)
-#   tune   the quick sweep; then copy $OUT/NVIDIA_H200.json to autotune_configs/ here
+#   tune   the quick sweep of TP8, TP16 and TP1 (estimated 4-5 min); then copy
+#          $OUT/NVIDIA_H200.json to autotune_configs/ and $OUT/NVIDIA_H200.md (tuned vs
+#          default at every point, same run) to benchmarks/results/H200-tuning.md here
 #   bench  bench_layer (checked, then timed) and the reliability checks
-# Measured cost (2026-12-02): check > 300 s; tune --quick > 5 min at TP8 alone (the
-# experts' candidates compile slowly), so one step a call.
+# Measured cost (2026-12-02): check > 300 s; tune --quick (before the thread-pool
+# compiles) > 5 min at TP8 alone: the route kernel compiles in 10-25 s a config.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -18,8 +20,11 @@ case "${1:-}" in
     PYTHONPATH=.peers timeout 50 python -m pytest -q benchmarks/test_peers.py 2>&1 | tail -3
     ;;
   tune)
-    timeout 560 python -m wide_moe_triton.tune --quick --tp "${2:-8}" \
-      --out "$OUT/NVIDIA_H200.json" 2>&1 | tail -60 | tee "$OUT/tune.log"
+    # --time-limit: past 450 s no kernel starts, and the table of what is done is written
+    # (a cut run resumes from $OUT/NVIDIA_H200.partial.json).
+    timeout 560 python -m wide_moe_triton.tune --quick --tp ${2:-8 16 1} --time-limit 450 \
+      --out "$OUT/NVIDIA_H200.json" > "$OUT/tune.log" 2>&1
+    tail -80 "$OUT/tune.log"
     ;;
   bench)
     timeout 120 python benchmarks/reliability.py --invariance 2>&1 | grep "invariance"

@@ -127,8 +127,10 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
 
     ids, _ = ids_ref
     q, qs = plan_ref
-    lists = rk.RoutingLists.empty(E, max(b, 1), dev)
-    rk.route(logits, bias, K, True, 1.0, lists=lists)
+    # Lists of their own (the sweep builds every case before it runs one, and the route
+    # cases above write theirs on every run).
+    expert_lists = rk.RoutingLists.empty(E, max(b, 1), dev)
+    rk.route(logits, bias, K, True, 1.0, lists=expert_lists)
     w = weights
     sub = min(b, 16)
     ref_rows = reference.expert_rows(q[:sub], qs[:sub], ids[:sub], w["w13"], w["w13_scales"],
@@ -137,7 +139,8 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     ws = ek.make_workspace(b, K, L, I, dev)
 
     def experts(up, down):
-        return ek.experts(q, qs, w["prepared"], lists.counts, lists.pairs, lists.generation, K,
+        return ek.experts(q, qs, w["prepared"], expert_lists.counts, expert_lists.pairs,
+                          expert_lists.generation, K,
                           cfg.beta, cfg.linear_beta, rows=rows, workspace=ws,
                           config_up=up, config_down=down)
 
@@ -501,8 +504,8 @@ def sweep(args) -> dict:
 
 
 def _shipped_table(args) -> dict:
-    """The kernels of the table this GPU ships (or --out's), whose configs the sweep tries
-    as priors; {} when there is none or it is not valid."""
+    """The kernels of this GPU's table in ``autotune_configs/`` (what it ships), whose
+    configs the sweep tries as priors; {} when there is none or it is not valid."""
     try:
         table = tuning.load_table(tuning.gpu_name())
     except ValueError:
@@ -549,9 +552,10 @@ def _run_groups(tuners: list, args, tp: int, start: float) -> None:
             t0 = time.monotonic()
             n = _time_group(g, work[id(g)], args)
             g.advance()
-            print(f"tp{tp} {g.kernel} {g.shape} ({g.stage if g.stage != 'done' else 'tuned'}): "
-                  f"{n} configs timed in {time.monotonic() - t0:.1f} s "
-                  f"(elapsed {time.monotonic() - start:.0f} s)", flush=True)
+            what = "tuned" if g.stage == "done" else f"reduction setting {g.setting}"
+            print(f"tp{tp} {g.kernel} {g.shape}: {what}, {n} configs timed in "
+                  f"{time.monotonic() - t0:.1f} s (elapsed {time.monotonic() - start:.0f} s)",
+                  flush=True)
             if g.stage == "done":
                 _finish(g, args)
             else:
