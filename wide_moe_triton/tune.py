@@ -291,12 +291,16 @@ def compile_all(work: list, workers: int) -> float:
     """Compile every (case, config) of ``work`` in parallel; the seconds it took."""
     start = time.monotonic()
     if workers > 1 and work and torch.cuda.is_available():
-        with compile_only(workers):
-            for case, config in work:
-                try:
-                    case.run(config)
-                except Exception:  # a config its wrapper refuses: the timing skips it
-                    pass
+        try:
+            with compile_only(workers):
+                for case, config in work:
+                    try:
+                        case.run(config)
+                    except Exception:  # a config its wrapper refuses: the timing skips it
+                        pass
+        except Exception as err:  # the pool failed as a whole: each config compiles when timed
+            print(f"warning: the parallel compile failed ({type(err).__name__}: {err}); "
+                  f"configs compile one by one as they are timed (--workers 1)", flush=True)
         torch.cuda.synchronize()
     return time.monotonic() - start
 
