@@ -554,7 +554,7 @@ def _run_groups(tuners: list, args, tp: int, start: float) -> None:
                 still.append(g)
                 continue
             t0 = time.monotonic()
-            n = _time_group(g, work[id(g)], args)
+            n = _time_group(g, work[id(g)], args, f"tp{tp} {g.kernel}")
             g.advance()
             what = "tuned" if g.stage == "done" else f"reduction setting {g.setting}"
             print(f"tp{tp} {g.kernel} {g.shape}: {what}, {n} configs timed in "
@@ -567,11 +567,13 @@ def _run_groups(tuners: list, args, tp: int, start: float) -> None:
         active = still
 
 
-def _time_group(g: Group, pending: dict, args) -> int:
+def _time_group(g: Group, pending: dict, args, label: str) -> int:
     """Check and time ``pending`` ({b: [configs]}): the first config of every bucket, then
-    the second of every bucket, ..., until done or the group's budget (quick) is spent."""
+    the second of every bucket, ..., until done or the group's budget (quick) is spent.
+    On a terminal, a progress bar shows the kernel and the width."""
     rep = QUICK_REP_MS if args.quick else REP_MS
     deadline = time.monotonic() + args.kernel_budget if args.kernel_budget else None
+    bar = _bar(sum(map(len, pending.values())))
     n = 0
     for i in range(max((len(cs) for cs in pending.values()), default=0)):
         for b, cs in pending.items():
@@ -579,9 +581,25 @@ def _time_group(g: Group, pending: dict, args) -> int:
                 continue
             if i and deadline and time.monotonic() > deadline:
                 continue
+            if bar:
+                bar.set_description(f"{label} b={b}")
+                bar.update(1)
             g.record(b, cs[i], time_config(g.cases[b], cs[i], rep))
             n += 1
+    if bar:
+        bar.close()
     return n
+
+
+def _bar(total: int):
+    """A tqdm bar on a terminal (a log gets the per-kernel lines only), else None."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is optional; the per-kernel lines still print
+        return None
+    return tqdm(total=total, unit="config", leave=False)
 
 
 def _finish(g: Group, args) -> None:
