@@ -3,8 +3,10 @@
 #   check  GPU test suite (HYPOTHESIS_PROFILE=gpu-check), the matmul_ogs peer's test, then
 #          reliability: invariance + claim order + 10 000 graph replays (E = 128), memcheck
 #          and racecheck on a tiny run
-#   tune   the quick sweep at TP8, TP16, TP1 into $OUT/NVIDIA_H200.json; copy it to
-#          autotune_configs/ before `bench`
+#   tune   the quick sweep at TP8, TP16, TP1 into $OUT/NVIDIA_H200.json (candidates
+#          compiled in a thread pool first); copy it to autotune_configs/ and
+#          $OUT/NVIDIA_H200.md (tuned vs default at every point, same run) to
+#          benchmarks/results/H200-tuning.md before `bench`
 #   bench  bench_layer over tp8, tp1 (whole layer, its batch-invariance line at E = 896),
 #          tp16 (results written after each shape, so a timeout keeps what finished)
 # Every step runs under `timeout`, bounded by what is left of the call's budget
@@ -62,7 +64,7 @@ case "${1:-}" in
     show racecheck "RACECHECK SUMMARY|ERROR SUMMARY|hazard|sanitize b=|Error" 5
     ;;
   tune)
-    step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 \
+    step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit 450 \
       --out "$OUT/NVIDIA_H200.json"
     tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
     ;;

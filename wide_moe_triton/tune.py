@@ -4,26 +4,37 @@ write ``autotune_configs/<GPU name>.json``.
 For each kernel, dims (TP rank-local shapes of Kimi-K3) and batch-width bucket it runs
 each candidate through the kernel's own launch wrapper, checks the output against the
 reference (a wrong config is never chosen), times it (``do_bench_cudagraph`` median) and
-keeps the fastest. Keys that set a kernel's reduction order (``REDUCTION_KEYS``) are
-chosen once per shape, at the smallest bucket, and held for the wider ones, so tuning
-never makes a token's bits depend on its batch width. The dense linears that run on the
-front GEMM (the shared expert's ``shared_gate_up`` and ``shared_down``, the tail's
-``latent_up``) are tuned as kernels of their own, each at its own shapes. Progress goes
-to a ``.partial``
-file beside the output after every point: an interrupted sweep resumes where it was.
+keeps the fastest. Keys that set a kernel's reduction order (``REDUCTION_KEYS``) are one
+choice per shape for every bucket, so tuning never makes a token's bits depend on its
+batch width: the choice that minimises the worst slowdown over the swept buckets
+(``choose_reduction``); the other keys are then tuned per bucket. The dense linears
+that run on the front GEMM (the shared expert's ``shared_gate_up`` and ``shared_down``,
+the tail's ``latent_up``) are tuned as kernels of their own, each at its own shapes.
 
-    python -m wide_moe_triton.tune --quick --tp 8       # over 5 minutes on an H200 (one TP)
+Every candidate of a TP shape is compiled first, in a thread pool (Triton's
+``AsyncCompileMode``; the route kernel alone takes 10-25 s a config to compile), then
+checked and timed one at a time. Progress goes to a ``.partial.json`` file beside the
+output after every kernel: an interrupted sweep resumes where it was; ``--time-limit``
+stops starting kernels after that many seconds and writes the table of what is done.
+Beside the table, ``<table>.md``: the tuned config against the default at every point,
+both timed again at the end of the same run.
+
+    python -m wide_moe_triton.tune --quick --tp 8 16 1    # buckets 64, 256, 1024
     python -m wide_moe_triton.tune --tp 8 16 1 --batches 1 16 64 128 256 512 1024
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
+import os
 import pathlib
 import random
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -32,20 +43,28 @@ from .config import WideMoEConfig
 
 BUCKETS = (1, 16, 64, 128, 256, 512, 1024)
 QUICK_BUCKETS = (64, 256, 1024)
+REP_MS, QUICK_REP_MS = 20, 10  # CUDA-graph replay time of one measurement
+QUICK_KERNEL_BUDGET = 60  # s of timing a kernel's candidates may take under --quick
 
 
 class Case:
     """One kernel at one shape and batch width: ``run(config)`` launches it and returns its
-    output; ``ok(output)`` says whether that output is right. ``quick``: under --quick,
-    try only this many of the default's neighbours (kernels that share another's space
-    and so need fewer tries), instead of the neighbours and a random sample."""
+    output; ``ok(output)`` says whether that output is right.
 
-    def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=(), quick=None,
-                 priors=()):
+    Candidates (``candidates``): the default, the ``priors``, the default's neighbours (one
+    key changed) and random configs of the space. Under --quick only neighbours along
+    ``quick_keys`` (all keys when None), at most ``quick_near`` of them (all when None),
+    and ``quick_random`` random configs. ``reduction_keys``: keys that set the reduction
+    order, one choice per shape (``choose_reduction``); ``pair_keys``: keys tried with
+    each reduction choice before it is chosen (how the splits run)."""
+
+    def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=(), priors=(),
+                 quick_near=None, quick_keys=None, quick_random=3, pair_keys=()):
         self.kernel, self.shape, self.space, self.default = kernel, shape, space, default
-        self.run, self.ok, self.reduction_keys = run, ok, reduction_keys
-        self.quick = quick
-        self.priors = [dict(p) for p in priors]  # always tried, with the neighbours
+        self.run, self.ok, self.reduction_keys = run, ok, tuple(reduction_keys)
+        self.priors = [dict(p) for p in priors]
+        self.quick_near, self.quick_keys, self.quick_random = quick_near, quick_keys, quick_random
+        self.pair_keys = tuple(pair_keys)
 
 
 def _equal(ref):
@@ -79,7 +98,8 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     front_out = torch.empty(b, N, device=dev)
     yield Case(frk.KERNEL, frk.shape_key(N, H), frk.SPACE, frk.default_config(N, H, b),
                lambda c: frk.front_gemm(x, packed, out=front_out, config=c),
-               _close(x.double() @ packed.double().t(), 1e-5), frk.REDUCTION_KEYS)
+               _close(x.double() @ packed.double().t(), 1e-5), frk.REDUCTION_KEYS,
+               pair_keys=FRONT_PAIR_KEYS)
 
     logits, bias = rnd(b, E), rnd(E) * 1e-3  # a balanced load, as after training
     lists = rk.RoutingLists.empty(E, max(b, 1), dev)
@@ -88,7 +108,10 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     def route(c):
         lists.counts.zero_()
         return rk.route(logits, bias, K, True, cfg.routed_scaling_factor, lists=lists, config=c)
-    yield Case(rk.KERNEL, rk.shape_key(E, K), rk.SPACE, rk.DEFAULT, route, _equal(ids_ref))
+    # The route compiles in 10-25 s a config (Triton 3.6, sm_90): --quick tries the
+    # default's neighbours only, no random configs.
+    yield Case(rk.KERNEL, rk.shape_key(E, K), rk.SPACE, rk.DEFAULT, route, _equal(ids_ref),
+               quick_random=0)
 
     latent = rnd(b, L).bfloat16()
     plan_ref = mx.quantize_mxfp8(latent)
@@ -100,12 +123,14 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
         return rk.route_and_plan(logits, latent, bias, K, True, cfg.routed_scaling_factor,
                                  lists=lists, config=c)
     yield Case(rk.KERNEL_PLAN, rk.shape_key(E, K, L), rk.SPACE_PLAN, rk.DEFAULT_PLAN,
-               route_plan, _equal((*ids_ref, *plan_ref)))
+               route_plan, _equal((*ids_ref, *plan_ref)), quick_random=0)
 
     ids, _ = ids_ref
     q, qs = plan_ref
-    lists = rk.RoutingLists.empty(E, max(b, 1), dev)
-    rk.route(logits, bias, K, True, 1.0, lists=lists)
+    # Lists of their own (the sweep builds every case before it runs one, and the route
+    # cases above write theirs on every run).
+    expert_lists = rk.RoutingLists.empty(E, max(b, 1), dev)
+    rk.route(logits, bias, K, True, 1.0, lists=expert_lists)
     w = weights
     sub = min(b, 16)
     ref_rows = reference.expert_rows(q[:sub], qs[:sub], ids[:sub], w["w13"], w["w13_scales"],
@@ -114,16 +139,21 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     ws = ek.make_workspace(b, K, L, I, dev)
 
     def experts(up, down):
-        return ek.experts(q, qs, w["prepared"], lists.counts, lists.pairs, lists.generation, K,
+        return ek.experts(q, qs, w["prepared"], expert_lists.counts, expert_lists.pairs,
+                          expert_lists.generation, K,
                           cfg.beta, cfg.linear_beta, rows=rows, workspace=ws,
                           config_up=up, config_down=down)
 
     ok_rows = lambda out: _close(ref_rows, 1e-2)(out[:sub * K])  # noqa: E731
     key = ek.shape_key(L, I, E)
+    # --quick: the priors (and the shipped table's configs) and the default's neighbours,
+    # no random configs: each check and timing runs both GEMMs over every expert.
     yield Case(ek.KERNEL_UP, key, ek.SPACE_UP, ek.DEFAULT_UP,
-               lambda c: experts(c, ek.DEFAULT_DOWN), ok_rows, priors=ek.PRIORS_UP)
+               lambda c: experts(c, ek.DEFAULT_DOWN), ok_rows, priors=ek.PRIORS_UP,
+               quick_random=0)
     yield Case(ek.KERNEL_DOWN, key, ek.SPACE_DOWN, ek.DEFAULT_DOWN,
-               lambda c: experts(ek.DEFAULT_UP, c), ok_rows, priors=ek.PRIORS_DOWN)
+               lambda c: experts(ek.DEFAULT_UP, c), ok_rows, priors=ek.PRIORS_DOWN,
+               quick_random=0)
 
     expanded = rnd(b * K, L).bfloat16()
     wts = (rnd(b, K) * 0.2).bfloat16()
@@ -139,11 +169,13 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     yield from linear_cases(cfg, b, x, rnd)
 
 
-# Neighbours of the default config tried per point by --quick for the linears that run
-# on the front GEMM: 3 kernels x 3 TP shapes x 3 buckets x (1 + 2) runs. Estimated (not
-# yet timed) at about a minute on an H200: ~40 compiles of ~1 s (the constexprs do not
-# include N or H, so the TP shapes share them) and 81 timings of ~0.25 s.
+# Neighbours of the best reduction trial tried per bucket by --quick for the linears
+# that run on the front GEMM (their space is the front's, tuned in full beside them).
 QUICK_LINEAR = 2
+# Keys tried with each reduction choice of a front-GEMM kernel before one is chosen: a
+# split count runs as one program or as a grid of segments, and which is faster depends
+# on the batch width.
+FRONT_PAIR_KEYS = ("SPLIT_GRID",)
 
 
 def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
@@ -157,7 +189,8 @@ def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
 
     def case(kernel, N, K, run, expected):
         return Case(kernel, frk.shape_key(N, K), frk.SPACE, frk.default_config(N, K, b), run,
-                    _close(expected, 1e-2), frk.REDUCTION_KEYS, quick=QUICK_LINEAR)
+                    _close(expected, 1e-2), frk.REDUCTION_KEYS, quick_near=QUICK_LINEAR,
+                    quick_random=0, pair_keys=FRONT_PAIR_KEYS)
 
     gate_up = (rnd(2 * S, H) * H ** -0.5).to(bf16)
     pairs = sk.interleave_gate_up(gate_up)
@@ -205,24 +238,22 @@ def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator) -> dict:
     return w
 
 
-def time_config(case: Case, config: dict) -> float | None:
-    """Median µs of ``case`` under ``config``, or None when it fails or is wrong."""
-    import time
-
+def time_config(case: Case, config: dict, rep: int = 20) -> float | None:
+    """Median µs of ``case`` under ``config`` (CUDA-graph replays of ``rep`` ms), or None
+    when it fails or is wrong."""
     import triton
 
     cuda = torch.cuda.is_available()
     try:
+        start = time.perf_counter()
         out = case.run(config)
         if cuda:
             torch.cuda.synchronize()
         if not case.ok(out):
             return None
         if not cuda:  # --dry-run in the interpreter: checks, and a token wall time
-            start = time.perf_counter()
-            case.run(config)
             return (time.perf_counter() - start) * 1e6
-        return triton.testing.do_bench_cudagraph(lambda: case.run(config), rep=20,
+        return triton.testing.do_bench_cudagraph(lambda: case.run(config), rep=rep,
                                                  return_mode="median") * 1e3
     except Exception:  # a candidate that does not compile or launch is skipped
         if cuda:
@@ -230,81 +261,378 @@ def time_config(case: Case, config: dict) -> float | None:
         return None
 
 
+@contextlib.contextmanager
+def compile_only(workers: int):
+    """Within: a Triton launch compiles its kernel in a pool of ``workers`` threads
+    (Triton's ``AsyncCompileMode``; its passes and ptxas run outside the GIL) and launches
+    nothing. On leaving, every compile has finished (failures are dropped: the timing
+    compiles them again and skips them) and later launches find them cached."""
+    import triton
+    from triton.runtime.jit import JITFunction
+
+    own = JITFunction.__dict__.get("__getitem__")
+
+    def warmup(self, grid):
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=True, **kwargs)
+
+    JITFunction.__getitem__ = warmup
+    try:
+        with ThreadPoolExecutor(workers) as pool, \
+                triton.AsyncCompileMode(pool, ignore_errors=True):
+            yield
+    finally:
+        if own is None:
+            del JITFunction.__getitem__
+        else:
+            JITFunction.__getitem__ = own
+
+
+def compile_all(work: list, workers: int) -> float:
+    """Compile every (case, config) of ``work`` in parallel; the seconds it took."""
+    start = time.monotonic()
+    if workers > 1 and work and torch.cuda.is_available():
+        try:
+            with compile_only(workers):
+                for case, config in work:
+                    try:
+                        case.run(config)
+                    except Exception:  # a config its wrapper refuses: the timing skips it
+                        pass
+        except Exception as err:  # the pool failed as a whole: each config compiles when timed
+            print(f"warning: the parallel compile failed ({type(err).__name__}: {err}); "
+                  f"configs compile one by one as they are timed (--workers 1)", flush=True)
+        torch.cuda.synchronize()
+    return time.monotonic() - start
+
+
+def neighbours(space, base: dict, keys=None) -> list:
+    """Configs of ``space`` that differ from ``base`` in exactly one key (one of ``keys``
+    when given)."""
+    out = []
+    for c in space:
+        changed = [k for k, v in base.items() if c.get(k) != v]
+        if len(changed) == 1 and (keys is None or changed[0] in keys):
+            out.append(dict(c))
+    return out
+
+
+def _unique(configs) -> list:
+    out = []
+    for c in configs:
+        if c not in out:
+            out.append(dict(c))
+    return out
+
+
+def _holds(config: dict, held: dict | None) -> bool:
+    return not held or all(config.get(k) == v for k, v in held.items())
+
+
+def candidates(case: Case, base: dict, extra=(), quick: bool = False,
+               sample: int | None = None, seed: int = 0, held: dict | None = None) -> list:
+    """Configs to time for ``case``, ``base`` first: ``extra`` (priors: those of the space
+    with base's keys), base's neighbours, then random configs of the space (``sample`` of
+    them; None: all). Only configs that keep the keys of ``held``. Under ``quick`` the
+    case's quick limits apply (``Case``)."""
+    space = [c for c in case.space if _holds(c, held)]
+    keys = case.quick_keys if quick else None
+    if held:
+        keys = [k for k in (keys or base) if k not in held]
+    near = neighbours(space, base, keys)
+    rng = random.Random(seed)
+    if quick:
+        if case.quick_near is not None:
+            near = rng.sample(near, min(case.quick_near, len(near)))
+        sample = case.quick_random
+    priors = [p for p in extra if set(p) == set(base) and p in space]
+    rest = [c for c in space if c != base and c not in near and c not in priors]
+    if sample is not None:
+        rest = rng.sample(rest, min(sample, len(rest)))
+    return _unique([base, *priors, *near, *rest])
+
+
+# --quick compares the default's split count with about a half, a quarter and twice it
+# (nearest values of the space): a wide batch fills the GPU with fewer splits.
+QUICK_SPLIT_FACTORS = (0.5, 0.25, 2.0)
+QUICK_REDUCTIONS = 3
+
+
+def reduction_options(case: Case, quick: bool, known=()) -> list:
+    """Settings of ``case.reduction_keys`` to compare over the buckets, the default's
+    first, then those of ``known`` configs (a shipped table's). All of the space's; under
+    --quick the default's with the last key (a split count) scaled by
+    ``QUICK_SPLIT_FACTORS`` instead, ``QUICK_REDUCTIONS`` in all, and the known ones."""
+    keys = case.reduction_keys
+    base = {k: case.default[k] for k in keys}
+    present = _unique({k: c[k] for k in keys} for c in case.space)
+    if not quick:
+        return _unique([base, *present])
+    last = keys[-1]
+    values = sorted({r[last] for r in present if _holds(r, {k: base[k] for k in keys[:-1]})})
+    options = [base]
+    for factor in QUICK_SPLIT_FACTORS:
+        if values and len(_unique(options)) < QUICK_REDUCTIONS:
+            want = base[last] * factor
+            options.append(dict(base, **{last: min(values, key=lambda v: abs(v - want))}))
+    options += [{k: c[k] for k in keys} for c in known if all(k in c for k in keys)]
+    return _unique(options)
+
+
+def reduction_trials(case: Case, setting: dict) -> list:
+    """What a reduction setting is judged by at one bucket: the default with that setting,
+    and its neighbours along ``case.pair_keys``."""
+    base = dict(case.default, **setting)
+    trials = [base, *neighbours(case.space, base, case.pair_keys)]
+    return [c for c in trials if c == case.default or c in case.space]
+
+
+def choose_reduction(times: dict):
+    """The key of ``times`` ({setting: {bucket: µs or None}}) whose worst slowdown over the
+    buckets (its time over the best of any setting there) is least, ties by the sum of
+    slowdowns, then by order. A setting that failed at a bucket is out."""
+    buckets = {b for per in times.values() for b, us in per.items() if us is not None}
+    best = {b: min(per[b] for per in times.values() if per.get(b) is not None)
+            for b in buckets}
+    whole = [s for s, per in times.items() if all(per.get(b) is not None for b in buckets)]
+    if not whole:
+        raise RuntimeError("no reduction setting ran at every bucket")
+
+    def slowdowns(s):
+        ratios = [times[s][b] / best[b] for b in buckets]
+        return max(ratios), sum(ratios)
+    return min(whole, key=slowdowns)
+
+
+def _key(config: dict) -> tuple:
+    return tuple(sorted(config.items()))
+
+
+class Group:
+    """One kernel at one shape over the buckets left to tune (``cases``: {b: Case}):
+    ``pending()`` gives the configs to compile and time next, round by round, ``timed``
+    records their times, ``chosen()`` the best config per bucket. A kernel with reduction
+    keys first times each reduction setting (``reduction_options``) at every bucket, takes
+    ``choose_reduction``'s, then tunes its other keys per bucket; ``held``: a setting
+    already chosen (a resumed sweep)."""
+
+    def __init__(self, cases: dict, args, known: dict, held: dict | None = None):
+        self.cases, self.args, self.known = cases, args, known
+        first = next(iter(cases.values()))
+        self.kernel, self.shape, self.keys = first.kernel, first.shape, first.reduction_keys
+        self.times = {b: {} for b in cases}
+        self.configs = {b: {} for b in cases}
+        self.setting = held
+        self.stage = "reduction" if self.keys and held is None else "tune"
+        self.settings = []
+
+    def _extra(self, b: int, case: Case) -> list:
+        table = [c for _, c in sorted(self.known.items(), key=lambda kv: kv[0] != b)]
+        return [*case.priors, *table]
+
+    def pending(self) -> dict:
+        """{b: [configs]} to time next (empty when done)."""
+        a = self.args
+        if self.stage == "reduction":
+            case = next(iter(self.cases.values()))
+            self.settings = reduction_options(case, a.quick, self.known.values())
+            return {b: _unique(c for s in self.settings for c in reduction_trials(case, s))
+                    for b, case in self.cases.items()}
+        if self.stage == "tune":
+            out = {}
+            for b, case in self.cases.items():
+                base = dict(case.default, **(self.setting or {}))
+                if self.setting:  # the best trial of the chosen setting at this bucket
+                    base = self.best(b) or base
+                out[b] = candidates(case, base, self._extra(b, case), a.quick, a.candidates,
+                                    a.seed, self.setting)
+            return out
+        return {}
+
+    def record(self, b: int, config: dict, us: float | None) -> None:
+        self.times[b][_key(config)] = us
+        self.configs[b][_key(config)] = dict(config)
+
+    def advance(self) -> None:
+        """After the pending configs were timed: the next stage."""
+        if self.stage == "reduction":
+            per_setting = {}
+            for i, s in enumerate(self.settings):
+                per_setting[i] = {b: self._best_us(b, s) for b in self.cases}
+            self.setting = self.settings[choose_reduction(per_setting)]
+            self.stage = "tune"
+        else:
+            self.stage = "done"
+
+    def _best_us(self, b: int, held: dict | None):
+        found = [us for k, us in self.times[b].items()
+                 if us is not None and _holds(dict(k), held)]
+        return min(found) if found else None
+
+    def best(self, b: int) -> dict | None:
+        """The fastest correct config timed at bucket b (keeping the chosen setting)."""
+        found = [(us, k) for k, us in self.times[b].items()
+                 if us is not None and _holds(dict(k), self.setting)]
+        return dict(self.configs[b][min(found)[1]]) if found else None
+
+
 def sweep(args) -> dict:
     out = pathlib.Path(args.out)
     partial = out.with_suffix(".partial.json")
     done = json.loads(partial.read_text()) if partial.exists() and not args.fresh else {}
-    try:
-        from tqdm import tqdm
-    except ImportError:  # the bar is optional; progress still prints
-        tqdm = None
-    points = [(tp, b) for tp in args.tp for b in args.batches]
-    bar = tqdm(total=len(points), unit="point") if tqdm else None
+    args.done = done
+    start = time.monotonic()
+    known_table = _shipped_table(args)
     for tp in args.tp:
+        if _out_of_time(args, start):
+            break
         cfg = WideMoEConfig.tiny(tp=tp) if args.dry_run else WideMoEConfig.kimi_k3(tp=tp)
         gen = torch.Generator(device="cpu" if args.dry_run else "cuda").manual_seed(tp)
+        t0 = time.monotonic()
         weights = random_expert_weights(cfg, gen)
+        groups = {}
         for b in sorted(args.batches):
             for case in cases(cfg, b, gen, weights):
                 if args.kernels and case.kernel not in args.kernels:
                     continue
-                slot = done.setdefault(case.kernel, {}).setdefault(case.shape, {})
-                if str(b) in slot:
-                    continue
-                if bar:
-                    bar.set_description(f"tp{tp} b={b} {case.kernel}")
-                else:
-                    print(f"tp{tp} b={b} {case.kernel}", flush=True)
-                slot[str(b)] = best_config(case, slot, args.candidates, args.seed,
-                                           case.quick if args.quick else None)
-                partial.parent.mkdir(parents=True, exist_ok=True)
-                partial.write_text(json.dumps(done, indent=1))
-            if bar:
-                bar.update(1)
-        del weights
+                if str(b) not in done.get(case.kernel, {}).get(case.shape, {}):
+                    groups.setdefault((case.kernel, case.shape), {})[b] = case
+        print(f"tp{tp}: {len(groups)} kernels to tune, set up in {time.monotonic() - t0:.1f} s",
+              flush=True)
+        tuners = [_group(cases_b, done, args, known_table) for cases_b in groups.values()]
+        _run_groups(tuners, args, tp, start)
+        del weights, groups, tuners
         if not args.dry_run:
             torch.cuda.empty_cache()
-    if bar:
-        bar.close()
+    args.stopped = _out_of_time(args, start)
     return done
 
 
-def best_config(case: Case, chosen: dict, candidates: int | None, seed: int,
-                quick: int | None = None) -> dict:
-    """The fastest correct config of ``case``, holding the reduction keys already chosen
-    at a smaller bucket of the same shape. ``quick``: try only that many of the
-    default's neighbours."""
-    space = [dict(c) for c in case.space]
+def _shipped_table(args) -> dict:
+    """The kernels of this GPU's table in ``autotune_configs/`` (what it ships), whose
+    configs the sweep tries as priors; {} when there is none or it is not valid."""
+    try:
+        table = tuning.load_table(tuning.gpu_name())
+    except ValueError:
+        table = None
+    return (table or {}).get("kernels", {})
+
+
+def _group(cases_b: dict, done: dict, args, known_table: dict) -> Group:
+    case = next(iter(cases_b.values()))
+    slot = done.get(case.kernel, {}).get(case.shape, {})
     held = None
-    if case.reduction_keys and chosen:
-        first = chosen[min(chosen, key=int)]
-        held = {k: first[k] for k in case.reduction_keys}
-        space = [c for c in space if all(c[k] == v for k, v in held.items())]
-    default = dict(case.default)
-    if held:
-        default.update(held)
-    near = [c for c in space if sum(c.get(k) != v for k, v in default.items()) == 1]
-    near += [p for p in case.priors if p in space and p not in near]
-    if quick is not None:
-        space = random.Random(seed).sample(near, min(quick, len(near)))
-    elif candidates and len(space) > candidates:
-        # The default's neighbours (one key changed) always, then a random sample: a
-        # coordinate step around a sane point finds most of the gain in few compiles.
-        rest = [c for c in space if c not in near]
-        space = near + random.Random(seed).sample(rest, min(candidates, len(rest)))
-    best, best_us = dict(default), time_config(case, default)
-    if best_us is None:
-        raise RuntimeError(f"{case.kernel} at {case.shape}: the default config fails its check")
-    default_us = best_us
-    for config in space:
-        us = time_config(case, config)
-        if us is not None and us < best_us:
-            best, best_us = config, us
-    best["_us"], best["_default_us"] = round(best_us, 2), round(default_us, 2)
-    return best
+    if case.reduction_keys and slot:  # resumed: keep the setting its done buckets have
+        held = {k: next(iter(slot.values()))[k] for k in case.reduction_keys}
+    known = {int(b): {k: v for k, v in c.items() if not k.startswith("_")}
+             for b, c in known_table.get(case.kernel, {}).get(case.shape, {}).items()}
+    return Group(cases_b, args, known, held)
 
 
-def write_table(done: dict, path: pathlib.Path) -> None:
+def _out_of_time(args, start: float) -> bool:
+    return bool(args.time_limit) and time.monotonic() - start > args.time_limit
+
+
+def _run_groups(tuners: list, args, tp: int, start: float) -> None:
+    """Compile every group's next configs together, then time each group's in turn; a
+    group with more stages is compiled and timed again; a finished group is written
+    to the partial file."""
+    active = list(tuners)
+    while active:
+        if _out_of_time(args, start):
+            print(f"tp{tp}: time limit ({args.time_limit} s) reached; not tuned: "
+                  + ", ".join(f"{g.kernel} {g.shape}" for g in active), flush=True)
+            return
+        work = {id(g): g.pending() for g in active}
+        pairs = [(g.cases[b], c) for g in active for b, cs in work[id(g)].items() for c in cs]
+        seconds = compile_all(pairs, args.workers)
+        if torch.cuda.is_available() and args.workers > 1:
+            print(f"tp{tp}: compiled {len(pairs)} configs of {len(active)} kernels in "
+                  f"{seconds:.1f} s ({args.workers} threads)", flush=True)
+        still = []
+        for g in active:
+            if _out_of_time(args, start):
+                still.append(g)
+                continue
+            t0 = time.monotonic()
+            n = _time_group(g, work[id(g)], args, f"tp{tp} {g.kernel}")
+            g.advance()
+            what = "tuned" if g.stage == "done" else f"reduction setting {g.setting}"
+            print(f"tp{tp} {g.kernel} {g.shape}: {what}, {n} configs timed in "
+                  f"{time.monotonic() - t0:.1f} s (elapsed {time.monotonic() - start:.0f} s)",
+                  flush=True)
+            if g.stage == "done":
+                _finish(g, args)
+            else:
+                still.append(g)
+        active = still
+
+
+def _time_group(g: Group, pending: dict, args, label: str) -> int:
+    """Check and time ``pending`` ({b: [configs]}): the first config of every bucket, then
+    the second of every bucket, ..., until done or the group's budget (quick) is spent.
+    On a terminal, a progress bar shows the kernel and the width."""
+    rep = QUICK_REP_MS if args.quick else REP_MS
+    deadline = time.monotonic() + args.kernel_budget if args.kernel_budget else None
+    bar = _bar(sum(map(len, pending.values())))
+    n = 0
+    for i in range(max((len(cs) for cs in pending.values()), default=0)):
+        for b, cs in pending.items():
+            if i >= len(cs) or _key(cs[i]) in g.times[b]:
+                continue
+            if i and deadline and time.monotonic() > deadline:
+                continue
+            if bar:
+                bar.set_description(f"{label} b={b}")
+                bar.update(1)
+            g.record(b, cs[i], time_config(g.cases[b], cs[i], rep))
+            n += 1
+    if bar:
+        bar.close()
+    return n
+
+
+def _bar(total: int):
+    """A tqdm bar on a terminal (a log gets the per-kernel lines only), else None."""
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is optional; the per-kernel lines still print
+        return None
+    return tqdm(total=total, unit="config", leave=False)
+
+
+def _finish(g: Group, args) -> None:
+    """Store each bucket's best, timed again beside the default (the report's figures),
+    and write the partial file."""
+    rep = QUICK_REP_MS if args.quick else REP_MS
+    again = torch.cuda.is_available()  # the interpreter's token times are not worth it
+    slot = args.done.setdefault(g.kernel, {}).setdefault(g.shape, {})
+    for b, case in g.cases.items():
+        best = g.best(b)
+        if best is None:
+            raise RuntimeError(f"{g.kernel} at {g.shape}, b={b}: no config passed its check")
+        default = dict(case.default)
+        default_us = None if again else g.times[b].get(_key(default))
+        if default_us is None:
+            default_us = time_config(case, default, rep)
+        if default_us is None:
+            raise RuntimeError(f"{g.kernel} at {g.shape}: the default config fails its check")
+        best_us = default_us if best == default else (
+            time_config(case, best, rep) if again else None)
+        if best_us is None:  # it passed its check a moment ago: keep the sweep's time
+            best_us = g.times[b][_key(best)]
+        changed = ", ".join(f"{k} {v} ({case.default[k]})" for k, v in best.items()
+                            if case.default.get(k) != v)
+        best["_us"], best["_default_us"] = round(best_us, 2), round(default_us, 2)
+        best["_changed"] = changed
+        slot[str(b)] = best
+    partial = pathlib.Path(args.out).with_suffix(".partial.json")
+    partial.parent.mkdir(parents=True, exist_ok=True)
+    partial.write_text(json.dumps(args.done, indent=1))
+
+
+def write_table(done: dict, path: pathlib.Path, args=None) -> None:
     import triton
 
     name = tuning.gpu_name() or "interpreter (dry run)"
@@ -318,9 +646,41 @@ def write_table(done: dict, path: pathlib.Path) -> None:
              "date": datetime.date.today().isoformat(),
              "dims": "Kimi-K3 (H 7168, L 3584, E 896, K 16, I 3072) rank-local shapes",
              "kernels": kernels, "timings_us": timings}
+    if args is not None:
+        table["sweep"] = (f"{'--quick ' if args.quick else ''}--tp {' '.join(map(str, args.tp))}"
+                          f" --batches {' '.join(map(str, sorted(args.batches)))}"
+                          f"{' (stopped at --time-limit: incomplete)' if args.stopped else ''}")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
+
+
+def gains_report(done: dict, title: str) -> str:
+    """Markdown: the tuned config against the default at every point of the sweep (both
+    timed again at the end of the same run), and the gain per kernel."""
+    lines = [f"# {title}", "",
+             "Both configs of a point were checked and timed again, one after the other, "
+             "at the end of the same sweep (CUDA-graph median µs).", "",
+             "| kernel | shape | b | default µs | tuned µs | gain | tuned keys (default's) |",
+             "|---|---|---|---|---|---|---|"]
+    per_kernel = {}
+    for kernel, shapes in done.items():
+        for shape, buckets in shapes.items():
+            for b in sorted(buckets, key=int):
+                c = buckets[b]
+                gain = c["_default_us"] / c["_us"]
+                per_kernel.setdefault(kernel, []).append(gain)
+                lines.append(f"| {kernel} | {shape} | {b} | {c['_default_us']:.1f} | "
+                             f"{c['_us']:.1f} | {gain:.2f}x | {c.get('_changed', '')} |")
+    lines += ["", "| kernel | points | gain (geometric mean) | least | most |",
+              "|---|---|---|---|---|"]
+    for kernel, gains in per_kernel.items():
+        mean = 1.0
+        for g in gains:
+            mean *= g ** (1 / len(gains))
+        lines.append(f"| {kernel} | {len(gains)} | {mean:.2f}x | {min(gains):.2f}x | "
+                     f"{max(gains):.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -330,43 +690,50 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--kernels", nargs="+", help="only these kernels (default: all)")
     p.add_argument("--quick", action="store_true",
-                   help=f"buckets {QUICK_BUCKETS}; the default's neighbours and 3 random "
-                        f"candidates ({QUICK_LINEAR} neighbours for the linears on the front GEMM)")
-    p.add_argument("--candidates", type=int, help="candidates a point (random sample)")
+                   help=f"buckets {QUICK_BUCKETS}; the default, priors and neighbours (3 random "
+                        f"configs more for the cheap kernels; {QUICK_REDUCTIONS}+ reduction "
+                        f"settings for the front GEMMs), {QUICK_REP_MS} ms a measurement, "
+                        f"{QUICK_KERNEL_BUDGET} s a kernel at most")
+    p.add_argument("--candidates", type=int,
+                   help="random configs a point besides the neighbours (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fresh", action="store_true", help="ignore a .partial file")
-    p.add_argument("--out", help="output JSON (default autotune_configs/<GPU>.json)")
+    p.add_argument("--out", help="output JSON (default autotune_configs/<GPU>.json); the "
+                                 "tuned-vs-default report goes beside it as .md")
+    p.add_argument("--workers", type=int, default=min(16, len(os.sched_getaffinity(0))),
+                   help="compile threads (1: compile each config when first timed)")
+    p.add_argument("--time-limit", type=float,
+                   help="seconds: start no kernel after this; write what is done")
+    p.add_argument("--kernel-budget", type=float,
+                   help=f"seconds of timing a kernel's candidates (default: "
+                        f"{QUICK_KERNEL_BUDGET} under --quick, else none)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny dims in Triton's interpreter: exercise the sweep, time nothing")
     args = p.parse_args(argv)
     if args.dry_run:
-        import os
-
         os.environ["TRITON_INTERPRET"] = "1"
         args.out = args.out or "autotune_configs/dry-run.json"
     elif not torch.cuda.is_available():
         print("tune needs a CUDA GPU (configs are per GPU)", file=sys.stderr)
         return 2
     args.batches = args.batches or list(QUICK_BUCKETS if args.quick else BUCKETS)
-    if args.quick and args.candidates is None:
-        args.candidates = 3
+    if args.kernel_budget is None and args.quick:
+        args.kernel_budget = QUICK_KERNEL_BUDGET
     args.out = args.out or str(tuning.table_path(tuning.gpu_name()))
+    args.stopped = False
+    start = time.monotonic()
     done = sweep(args)
-    write_table(done, pathlib.Path(args.out))
-    print_gains(done)
+    out = pathlib.Path(args.out)
+    write_table(done, out, args)
+    name = tuning.gpu_name() or "interpreter (dry run)"
+    report = gains_report(done, f"Tuned vs default launch configs, {name} "
+                                f"({datetime.date.today().isoformat()}, "
+                                f"`tune {json.loads(out.read_text())['sweep']}`)")
+    out.with_suffix(".md").write_text(report)
+    print("\n" + report + f"\nwrote {out.with_suffix('.md')}; sweep took "
+          f"{time.monotonic() - start:.0f} s" + (" (stopped at the time limit)"
+                                                  if args.stopped else ""))
     return 0
-
-
-def print_gains(done: dict) -> None:
-    """The tuned config against the default at every point of the sweep."""
-    print("\n| kernel | shape | b | default µs | tuned µs | gain |")
-    print("|---|---|---|---|---|---|")
-    for kernel, shapes in done.items():
-        for shape, buckets in shapes.items():
-            for b in sorted(buckets, key=int):
-                c = buckets[b]
-                print(f"| {kernel} | {shape} | {b} | {c['_default_us']:.1f} | {c['_us']:.1f} "
-                      f"| {c['_default_us'] / c['_us']:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,176 @@
+"""The tuning sweep's choices, with stand-in kernels whose times the test sets: one
+reduction setting for every bucket of a shape (the least worst slowdown), a config
+that fails its check never chosen, resume and the time limit."""
+
+import json
+import random
+
+import pytest
+from hypothesis import given, strategies as st
+
+from wide_moe_triton import tune, tuning
+from wide_moe_triton.kernels import front
+
+BUCKETS = (64, 256, 1024)
+
+
+def brute_force_worst(times: dict, setting) -> float:
+    """The worst slowdown of ``setting`` over the buckets, from the definition."""
+    worst = 0.0
+    for b, us in times[setting].items():
+        best = min(t[b] for t in times.values() if t[b] is not None)
+        worst = max(worst, us / best)
+    return worst
+
+
+@given(st.lists(st.lists(st.one_of(st.none(), st.floats(1.0, 1e4)), min_size=3, max_size=3),
+                min_size=1, max_size=6),
+       st.lists(st.floats(1.0, 1e4), min_size=3, max_size=3))
+def test_choose_reduction_least_worst_slowdown(rows, whole):
+    times = {i: dict(zip(BUCKETS, row)) for i, row in enumerate(rows)}
+    times[len(rows)] = dict(zip(BUCKETS, whole))  # one setting that runs everywhere
+    chosen = tune.choose_reduction(times)
+    assert all(us is not None for us in times[chosen].values())
+    complete = [s for s, t in times.items() if None not in t.values()]
+    assert brute_force_worst(times, chosen) <= min(
+        brute_force_worst(times, s) for s in complete) * (1 + 1e-12)
+
+
+def test_choose_reduction_not_the_smallest_buckets_winner():
+    # What the sweep did before: the split that wins b = 64 held for b = 1024 (1.84x).
+    times = {"split 8": {64: 6.6, 256: 12.7, 1024: 33.4},
+             "split 2": {64: 7.5, 256: 12.0, 1024: 18.2}}
+    assert tune.choose_reduction(times) == "split 2"
+    with pytest.raises(RuntimeError, match="every bucket"):
+        tune.choose_reduction({"a": {64: None, 256: 1.0}, "b": {64: 1.0, 256: None}})
+
+
+class Model:
+    """A stand-in front GEMM: its output is the config, right unless listed in
+    ``wrong``; its time a random function of (b, config), the wrong configs fastest."""
+
+    def __init__(self, seed: int, wrong_fraction: float):
+        self.rng = random.Random(seed)
+        self.costs: dict = {}
+        self.wrong_fraction = wrong_fraction
+        self.timed: list = []
+
+    def time(self, case, config, rep=20):
+        key = (case.b, tune._key(config))
+        if key not in self.costs:
+            wrong = config != case.default and self.rng.random() < self.wrong_fraction
+            self.costs[key] = (0.5 if wrong else self.rng.uniform(1, 10), wrong)
+        self.timed.append(key)
+        cost, wrong = self.costs[key]
+        return None if wrong else cost
+
+    def case(self, b: int, N: int = 560, H: int = 7168):
+        c = tune.Case("front", front.shape_key(N, H), front.SPACE, front.default_config(N, H, b),
+                      run=None, ok=None, reduction_keys=front.REDUCTION_KEYS,
+                      pair_keys=tune.FRONT_PAIR_KEYS)
+        c.b = b
+        return c
+
+
+def run_group(model: Model, quick: bool, known=None, held=None):
+    args = type("Args", (), dict(quick=quick, candidates=4, seed=0, kernel_budget=None))
+    group = tune.Group({b: model.case(b) for b in BUCKETS}, args, known or {}, held)
+    while group.stage != "done":
+        for b, configs in group.pending().items():
+            for c in configs:
+                group.record(b, c, model.time(group.cases[b], c))
+        group.advance()
+    return group
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.booleans(), st.sampled_from([0.0, 0.3]))
+def test_group_one_reduction_setting_never_a_wrong_config(seed, quick, wrong_fraction):
+    model = Model(seed, wrong_fraction)
+    group = run_group(model, quick)
+    chosen = {b: group.best(b) for b in BUCKETS}
+    settings = {tuple(c[k] for k in front.REDUCTION_KEYS) for c in chosen.values()}
+    assert len(settings) == 1, chosen
+    for b, c in chosen.items():
+        cost, wrong = model.costs[(b, tune._key(c))]
+        assert not wrong
+        # The fastest right config timed at b among those of the chosen setting.
+        rights = [model.costs[k][0] for k in model.costs
+                  if k[0] == b and not model.costs[k][1]
+                  and all(dict(k[1])[r] == c[r] for r in front.REDUCTION_KEYS)]
+        assert cost == min(rights)
+    # The setting: the least worst slowdown among those compared, each judged by its
+    # best trial (the default with it, and its split mode flipped) at every bucket.
+    per_setting = {}
+    for s in group.settings:
+        key = tuple(s.values())
+        for b in BUCKETS:
+            trials = [tune._key(t) for t in tune.reduction_trials(group.cases[b], s)]
+            right = [model.costs[(b, t)][0] for t in trials if not model.costs[(b, t)][1]]
+            per_setting.setdefault(key, {})[b] = min(right) if right else None
+    mine = tuple(group.setting.values())
+    complete = [s for s, t in per_setting.items() if None not in t.values()]
+    assert brute_force_worst(per_setting, mine) <= min(
+        brute_force_worst(per_setting, s) for s in complete) * (1 + 1e-12)
+
+
+def test_group_quick_compares_few_settings_and_keeps_a_held_one():
+    model = Model(1, 0.0)
+    known = {64: dict(front.default_config(560, 7168, 64), SPLIT_K=8)}
+    group = run_group(model, True, known)
+    splits = [s["SPLIT_K"] for s in group.settings]
+    assert 2 <= len(splits) <= tune.QUICK_REDUCTIONS + 1 and 8 in splits
+    assert splits[0] == front.default_config(560, 7168, 64)["SPLIT_K"]
+    held = {"BLOCK_K": 64, "SPLIT_K": 4}
+    resumed = run_group(Model(2, 0.0), True, held=held)
+    for b in BUCKETS:
+        assert all(resumed.best(b)[k] == v for k, v in held.items())
+
+
+class Fake:
+    """tune.cases stand-in: two kernels a bucket, one with reduction keys."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, cfg, b, gen, weights):
+        yield self.model.case(b)
+        plain = tune.Case("plain", "S1", [{"X": x} for x in range(6)], {"X": 0},
+                          run=None, ok=None)
+        plain.b = b
+        yield plain
+
+
+def sweep(monkeypatch, tmp_path, model, *extra):
+    monkeypatch.setattr(tune, "cases", Fake(model))
+    monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen: None)
+    monkeypatch.setattr(tune, "time_config", model.time)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # --dry-run sets it: restored after the test
+    out = tmp_path / "table.json"
+    assert tune.main(["--dry-run", "--quick", "--tp", "1", "--workers", "1", "--out", str(out),
+                      *extra]) == 0
+    return out
+
+
+def test_sweep_writes_table_report_and_resumes(monkeypatch, tmp_path):
+    model = Model(3, 0.2)
+    out = sweep(monkeypatch, tmp_path, model)
+    table = tuning._check_table(out, json.loads(out.read_text()))
+    entries = table["kernels"]["front"][front.shape_key(560, 7168)]
+    assert sorted(map(int, entries)) == list(BUCKETS)
+    assert len({(c["BLOCK_K"], c["SPLIT_K"]) for c in entries.values()}) == 1
+    assert sorted(map(int, table["kernels"]["plain"]["S1"])) == list(BUCKETS)
+    report = out.with_suffix(".md").read_text()
+    assert report.count("| front |") == len(BUCKETS) + 1  # the points and the summary
+    # Resumed from the partial file: nothing is timed again.
+    model.timed.clear()
+    sweep(monkeypatch, tmp_path, model)
+    assert model.timed == []
+    assert json.loads(out.read_text())["kernels"] == table["kernels"]
+
+
+def test_sweep_time_limit_writes_what_is_done(monkeypatch, tmp_path):
+    model = Model(4, 0.0)
+    out = sweep(monkeypatch, tmp_path, model, "--time-limit", "1e-9", "--fresh")
+    table = json.loads(out.read_text())
+    assert table["kernels"] == {} and "incomplete" in table["sweep"]
+    assert model.timed == []
