@@ -145,14 +145,16 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
                           config_up=up, config_down=down)
 
     ok_rows = lambda out: _close(ref_rows, 1e-2)(out[:sub * K])  # noqa: E731
-    key = ek.shape_key(L, I, E)
+    # The configs of the layout this GPU stores its weights in (experts.default_layout).
+    t = ek.tuning(w["prepared"].layout)
+    key = ek.shape_key(L, I, E) + t.suffix
     # --quick: the priors (and the shipped table's configs) and the default's neighbours,
     # no random configs: each check and timing runs both GEMMs over every expert.
-    yield Case(ek.KERNEL_UP, key, ek.SPACE_UP, ek.DEFAULT_UP,
-               lambda c: experts(c, ek.DEFAULT_DOWN), ok_rows, priors=ek.PRIORS_UP,
+    yield Case(ek.KERNEL_UP, key, t.space_up, t.default_up,
+               lambda c: experts(c, t.default_down), ok_rows, priors=t.priors_up,
                quick_random=0)
-    yield Case(ek.KERNEL_DOWN, key, ek.SPACE_DOWN, ek.DEFAULT_DOWN,
-               lambda c: experts(ek.DEFAULT_UP, c), ok_rows, priors=ek.PRIORS_DOWN,
+    yield Case(ek.KERNEL_DOWN, key, t.space_down, t.default_down,
+               lambda c: experts(t.default_up, c), ok_rows, priors=t.priors_down,
                quick_random=0)
 
     expanded = rnd(b * K, L).bfloat16()

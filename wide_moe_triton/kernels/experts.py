@@ -95,6 +95,30 @@ PRIORS_DOWN = [{"BLOCK_M": 32, "BLOCK_N": 256, "A_BF16": 0, "num_warps": 8, "num
                 "maxnreg": 128}]
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "A_BF16", "num_warps", "num_stages", "maxnreg")
 
+
+class Tuning(NamedTuple):
+    """What the sweep tries for one weight layout: the table key's suffix, the defaults,
+    the spaces and the priors of the up and the down launch."""
+    suffix: str
+    default_up: dict
+    default_down: dict
+    space_up: list
+    space_down: list
+    priors_up: list
+    priors_down: list
+
+
+def tuning(layout: str) -> Tuning:
+    """The sweep's configs for weights in ``layout``: "wgmma_decode" takes BF16
+    activations only, so its spaces and priors are the others' with A_BF16 = 1."""
+    if layout != "wgmma_decode":
+        return Tuning("", DEFAULT_UP, DEFAULT_DOWN, SPACE_UP, SPACE_DOWN, PRIORS_UP,
+                      PRIORS_DOWN)
+    bf16 = lambda configs: [c for c in configs if c["A_BF16"]]  # noqa: E731
+    return Tuning("_decode", DEFAULT_UP_DECODE, DEFAULT_DOWN_DECODE, bf16(SPACE_UP),
+                  bf16(SPACE_DOWN), [dict(c, A_BF16=1) for c in PRIORS_UP],
+                  [dict(c, A_BF16=1) for c in PRIORS_DOWN])
+
 # Preferred reduction steps (elements along L for up, along I for down); the step used is
 # the largest power of two <= this that divides the dimension.
 BLOCK_K_UP = 128
@@ -916,14 +940,12 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         workspace = make_workspace(b, top_k, L, inter, device)
     ws = _check_workspace(workspace, b, top_k, L, inter, device)
     decode = weights.layout == "wgmma_decode"
-    key = shape_key(L, inter, E) + ("_decode" if decode else "")
+    tune = tuning(weights.layout)
+    key = shape_key(L, inter, E) + tune.suffix
     cfg_up = _check_config("config_up", config_up if config_up is not None else
-                           config_for(KERNEL_UP, key, b,
-                                      DEFAULT_UP_DECODE if decode else DEFAULT_UP, device))
+                           config_for(KERNEL_UP, key, b, tune.default_up, device))
     cfg_down = _check_config("config_down", config_down if config_down is not None else
-                             config_for(KERNEL_DOWN, key, b,
-                                        DEFAULT_DOWN_DECODE if decode else DEFAULT_DOWN,
-                                        device))
+                             config_for(KERNEL_DOWN, key, b, tune.default_down, device))
     if decode:
         _check_decode_config("config_up", cfg_up)
         _check_decode_config("config_down", cfg_down)
