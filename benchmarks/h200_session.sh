@@ -64,7 +64,7 @@ case "${1:-}" in
     show racecheck "RACECHECK SUMMARY|ERROR SUMMARY|hazard|sanitize b=|Error" 5
     ;;
   tune)
-    step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit 450 \
+    step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit "${TUNE_LIMIT:-450}" \
       --out "$OUT/NVIDIA_H200.json"
     tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
     ;;
