@@ -232,3 +232,20 @@ def test_argument_errors_name_the_argument(index):
     call, error, message = _bad_calls()[index]
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("tp", [1, 8, 16])
+def test_default_configs_launch_at_production_shapes(tp):
+    # The untuned defaults (what a GPU without a table runs) must be launchable at every
+    # width: the reduction keys of b = 1 with the program split of b, as launch_config
+    # combines them, never more segments in one program than it can hold.
+    cfg = WideMoEConfig.kimi_k3(tp=tp)
+    shapes = [(cfg.experts_per_rank + cfg.latent_per_rank, cfg.hidden),
+              (2 * cfg.shared_per_rank, cfg.hidden), (cfg.hidden, cfg.shared_per_rank),
+              (cfg.hidden // tp, cfg.latent)]
+    for N, H in shapes:
+        order = front.default_config(N, H, 1)
+        for b in (1, 16, 64, 65, 128, 256, 512, 1024):
+            c = {**front.default_config(N, H, b), **{k: order[k] for k in front.REDUCTION_KEYS}}
+            _, _, segments = front._split_plan(H, c)
+            front._group_plan(segments, c)  # raises past the program's tree levels

@@ -330,7 +330,10 @@ def default_config(N: int, H: int, b: int) -> dict:
     cfg = dict(DEFAULT)
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     num_blocks = triton.cdiv(H, cfg["BLOCK_K"])
-    cfg["SPLIT_K"] = max(1, min(num_blocks // 4, (3 * _SM_COUNT) // (2 * n_tiles)))
+    # At most 8 segments: a wide batch runs them all in one program (SPLIT_GRID 0),
+    # which holds one pending subtree a tree level.
+    cfg["SPLIT_K"] = max(1, min(num_blocks // 4, (3 * _SM_COUNT) // (2 * n_tiles),
+                                1 << _MAX_LEVELS))
     cfg["BLOCK_M"] = min(64, max(16, triton.next_power_of_2(max(b, 1))))
     tiles = n_tiles * triton.cdiv(max(b, 1), cfg["BLOCK_M"])
     idle = 2 * tiles <= _SM_COUNT or (tiles < _SM_COUNT and b <= 64)
