@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# One lease of the H200 in three device-tool calls (each <= 9.5 min), in this order:
-#   check  GPU test suite (HYPOTHESIS_PROFILE=gpu-check), the matmul_ogs peer's test, then
-#          reliability: invariance + claim order + 10 000 graph replays (E = 128), memcheck
-#          and racecheck on a tiny run
+# One lease of the H200 in four device-tool calls (each <= 9.5 min), in this order:
+#   tests  the GPU test suite (HYPOTHESIS_PROFILE=gpu-check, 16 workers, each test's
+#          result on its own line so a timeout still names what failed); it compiles
+#          for minutes: more than 530 s on 2026-12-03, hence a call of its own
+#   check  the matmul_ogs peer's test, then reliability: invariance + claim order +
+#          10 000 graph replays (E = 128), memcheck and racecheck on a tiny run
 #   tune   the quick sweep at TP8, TP16, TP1 into $OUT/NVIDIA_H200.json (candidates
-#          compiled in a thread pool first); copy it to autotune_configs/ and
+#          compiled in a thread pool first; TUNE_RESUME=FILE goes on from an earlier
+#          call's .partial.json); fold it into autotune_configs/ and copy
 #          $OUT/NVIDIA_H200.md (tuned vs default at every point, same run) to
 #          benchmarks/results/H200-tuning.md before `bench`
 #   bench  bench_layer over tp8, tp1 (whole layer, its batch-invariance line at E = 896),
@@ -12,7 +15,8 @@
 # Every step runs under `timeout`, bounded by what is left of the call's budget
 # (BUDGET seconds, default 560), its log under $OUT; a summary is printed last.
 # Carry .peers/ (benchmarks/NOTES.md, "Peers tried"). Compiled kernels go to
-# .triton-cache/ (ignored): a later call on the still-warm machine reuses them.
+# .triton-cache/ (ignored): a later call on the still-warm machine reuses them. Fire each
+# call as soon as the last returns: an idle machine goes back after 30 s.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -45,11 +49,13 @@ show() {  # show NAME PATTERN [N]: the log's last N lines matching PATTERN
 }
 
 case "${1:-}" in
-  check)
+  tests)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$OUT/gpu.txt"
-    step tests 300 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -q -n 14 \
-      -p no:benchmark -p no:cacheprovider --durations=20 tests/
-    show tests "passed|failed|error" 3
+    step tests 545 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -v -rf --tb=short \
+      -n 16 -p no:benchmark -p no:cacheprovider --durations=20 tests/
+    show tests "FAILED|ERROR|passed|failed" 30
+    ;;
+  check)
     step peers 60 30 env PYTHONPATH=.peers python -m pytest -q -p no:cacheprovider \
       benchmarks/test_peers.py
     show peers "passed|failed|error" 2
@@ -64,6 +70,8 @@ case "${1:-}" in
     show racecheck "RACECHECK SUMMARY|ERROR SUMMARY|hazard|sanitize b=|Error" 5
     ;;
   tune)
+    # TUNE_RESUME=FILE: an earlier call's .partial.json (sent in the working tree) to go on from
+    [[ -n "${TUNE_RESUME:-}" ]] && cp "$TUNE_RESUME" "$OUT/NVIDIA_H200.partial.json"
     step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit "${TUNE_LIMIT:-450}" \
       --out "$OUT/NVIDIA_H200.json"
     tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
@@ -76,7 +84,7 @@ print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     show bench "^# .* done in|batch invariance|^!!|not run|Traceback" 30
     [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
     ;;
-  *) echo "usage: OUT=DIR $0 check|tune|bench" >&2; exit 2 ;;
+  *) echo "usage: OUT=DIR $0 tests|check|tune|bench" >&2; exit 2 ;;
 esac
 echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
 cat "$SUMMARY"

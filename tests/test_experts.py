@@ -445,11 +445,12 @@ def test_encode_words_keeps_each_word_and_inverts(block_k, seed):
 
 @triton.jit
 def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, K: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_K: tl.constexpr, WIDE_SCALES: tl.constexpr):
+                        BLOCK_K: tl.constexpr, WIDE_SCALES: tl.constexpr,
+                        INTERPRET: tl.constexpr):
     rows = tl.arange(0, ROWS)
     for k0 in range(0, K, BLOCK_K):
         v = ex._decoded_weights(w_ptr, s_ptr, rows, k0, K, ROWS, BLOCK_K, ex.ROW_BLOCK,
-                                WIDE_SCALES, True)
+                                WIDE_SCALES, INTERPRET)
         tl.store(out_ptr + rows[:, None] * K + k0 + tl.arange(0, BLOCK_K)[None, :], v)
 
 
@@ -459,8 +460,8 @@ def _decode_tile_kernel(w_ptr, s_ptr, out_ptr, K: tl.constexpr, ROWS: tl.constex
 def test_decoded_weights_are_the_exact_values(block_k, full_range, seed):
     """The kernel's decode of a "wgmma_decode" tile: every weight's exact value (code
     times 2**(scale - 127)), bit for bit, for scale bytes over the whole E8M0 range
-    (0..254, overflow to Inf included) or as drawn. Runs the interpreter's arithmetic
-    (FP32); the GPU's BF16 multiply of the same bits is checked on the GPU only."""
+    (0..254, overflow to Inf included) or as drawn, through the arithmetic the experts
+    kernel runs here: FP32 in the interpreter, BF16 multiplies on a GPU."""
     gen = torch.Generator().manual_seed(seed)
     rows, k = 2 * ex.ROW_BLOCK, 256
     codes, scales = mx.quantize_mxfp4(torch.randn(1, rows, k, generator=gen))
@@ -472,7 +473,8 @@ def test_decoded_weights_are_the_exact_values(block_k, full_range, seed):
     assert w.wide_scales_up == bool((scales > 128).any())
     out = poison(torch.empty(rows, k, dtype=torch.bfloat16, device=DEVICE))
     _decode_tile_kernel[(1,)](w.w13.view(torch.int32), w.w13_scales, out, K=k, ROWS=rows,
-                              BLOCK_K=block_k, WIDE_SCALES=w.wide_scales_up)
+                              BLOCK_K=block_k, WIDE_SCALES=w.wide_scales_up,
+                              INTERPRET=ex._interpreting())
     want = mx.dequantize_mxfp4(codes, scales)[0].to(torch.bfloat16)
     assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
 

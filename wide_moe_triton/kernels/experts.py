@@ -534,9 +534,13 @@ def _halves(pairs, INTERPRET: tl.constexpr):
 @triton.jit
 def _power_of_two(biased, INTERPRET: tl.constexpr):
     """2**(biased - 127) for int32 ``biased`` in 1..254: BF16 (FP32 when INTERPRET)."""
+    # One return: Triton 3.6's compiler types every return of a function, even one under
+    # a constexpr branch it does not emit.
     if INTERPRET:
-        return (biased << 23).to(tl.float32, bitcast=True)
-    return (biased << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        factor = (biased << 23).to(tl.float32, bitcast=True)
+    else:
+        factor = (biased << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return factor
 
 
 @triton.jit

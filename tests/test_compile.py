@@ -1,0 +1,188 @@
+"""Every kernel the layer launches compiles with Triton's compiler for the GPUs it is
+tuned for, with no GPU at hand: sm_90 (H200) and sm_100 (B200).
+
+The interpreter runs a kernel as Python, so an error only the compiler sees (returns of
+different types from one function, a layout it cannot convert, a register budget) passes
+every other test here and first shows on a GPU, where device time is scarce; and no
+B200 is at hand at all. This test records the launches of a workload in the
+interpreter (the module at tiny dims on one rank and on two simulated ranks, the experts
+in every weight layout and activation format, wide scale bytes) and compiles each
+distinct specialization in a subprocess without TRITON_INTERPRET, with the launch's
+num_warps / num_stages / maxnreg and 16-byte alignment where the JIT would assume it,
+and INTERPRET False (the kernels' GPU branch). Triton's compiler here is 3.9, the H200
+machine's 3.6: a pass here is evidence for 3.6, not proof.
+"""
+import importlib
+import inspect
+import json
+import os
+import pathlib
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime import interpreter
+
+from conftest import DEVICE, poison
+from test_experts import (BETA, E, K, L, LINEAR_BETA, WIDE_ROWS, configs, make_ids, make_plan,
+                          stock_weights)
+from wide_moe_triton import LatentMoE, SimulatedGroup, WideMoE, WideMoEConfig
+from wide_moe_triton import kernels
+from wide_moe_triton.kernels import experts as ex
+from wide_moe_triton.kernels import front as front_k
+from wide_moe_triton.kernels import mailbox as mailbox_k
+from wide_moe_triton.kernels import plan as plan_k
+
+TARGETS = (90, 100)  # compute capabilities: H200 (sm_90), B200 (sm_100)
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
+POINTER_TYPES = {
+    torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+    torch.float64: "fp64", torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16",
+    torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv", torch.bool: "i1",
+}
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="on a GPU every other test compiles its kernels")
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    return param.annotation is tl.constexpr or "constexpr" in str(param.annotation)
+
+
+def launch_spec(fn, args, kwargs) -> dict:
+    """What the JIT would compile for this launch: argument types, constexpr values,
+    16-divisible pointers and integers (``tt.divisibility``), compile options."""
+    params = inspect.signature(fn).parameters
+    bound = dict(zip(params, args))
+    bound.update({k: v for k, v in kwargs.items() if k not in OPTIONS})
+    spec = {"module": fn.__module__, "kernel": fn.__name__, "signature": {},
+            "constexprs": {}, "divisible": [],
+            "options": {k: kwargs[k] for k in OPTIONS if kwargs.get(k) is not None}}
+    for i, (name, param) in enumerate(params.items()):
+        value = bound[name] if name in bound else param.default
+        if name == "INTERPRET":  # the branch a GPU takes (the interpreter's never compiles)
+            spec["constexprs"][name] = False
+        elif _is_constexpr(param) or value is None:
+            spec["constexprs"][name] = value
+        elif isinstance(value, torch.Tensor):
+            spec["signature"][name] = "*" + POINTER_TYPES[value.dtype]
+            if value.data_ptr() % 16 == 0:
+                spec["divisible"].append(i)
+        elif isinstance(value, bool):
+            spec["signature"][name] = "i1"
+        elif isinstance(value, int):
+            spec["signature"][name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                spec["divisible"].append(i)
+        elif isinstance(value, float):
+            spec["signature"][name] = "fp32"
+        else:
+            raise TypeError(f"{fn.__name__}: argument {name} of type {type(value)}")
+    return spec
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The specs of every kernel launched while the fixture is active, in order."""
+    specs = []
+    run = interpreter.InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        specs.append(launch_spec(self.fn, args, kwargs))
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", recording_run)
+    return specs
+
+
+def run_module_workload():
+    """WideMoE at tiny dims: one rank at a narrow and a wider batch, and two simulated
+    ranks (the mailbox's publish and polled paths)."""
+    cfg = WideMoEConfig.tiny(wide_rows=64)
+    stock = LatentMoE(cfg, seed=0, device=DEVICE)
+    wide = WideMoE.from_module(stock)
+    gen = torch.Generator().manual_seed(0)
+    for b in (1, 33):
+        wide(torch.randn(b, cfg.hidden, generator=gen).bfloat16())
+    SimulatedGroup(stock, 2)(torch.randn(5, cfg.hidden, generator=gen).bfloat16())
+
+
+def run_stage_workload():
+    """Paths the module does not take by default: the front GEMM split along K over
+    programs (reduce kernel) and in groups of 1-8 segments a program, the plan on its own
+    (BF16 and FP32 input) and polled from a mailbox."""
+    gen = torch.Generator().manual_seed(1)
+    x, packed = (torch.randn(n, 512, generator=gen).bfloat16() for n in (6, 40))
+    one = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, SPLIT_K=1, SPLIT_GRID=0, num_warps=4,
+               num_stages=3)
+    for split_k, grid, group in ((2, 0, 1), (8, 1, 1), (8, 1, 2), (8, 1, 8), (6, 1, 4)):
+        front_k.front_gemm(x, packed, config={**one, "SPLIT_K": split_k, "SPLIT_GRID": grid,
+                                               "GROUP": group})
+    for dtype in (torch.bfloat16, torch.float32):
+        plan_k.quantize_mxfp8(torch.randn(5, 64, generator=gen).to(dtype))
+    latent, experts, wide_rows, rows = 64, 16, 8, 3
+    box = mailbox_k.empty_mailbox((wide_rows, latent, experts), DEVICE)
+    generation = torch.zeros(1, dtype=torch.int32)
+    front = torch.randn(rows, experts + latent, generator=gen)
+    mailbox_k.publish(front, mailbox_k.mailbox_table([box]), 0, 1, generation, latent,
+                      experts, wide_rows=wide_rows)
+    plan_k.quantize_mxfp8_mailbox(box, generation, rows, latent=latent, world=1,
+                                  error=mailbox_k.new_error_record(DEVICE))
+
+
+def run_experts_workload():
+    """The experts in every weight layout and activation format (the up and the down
+    launch's set apart), at the default and the wide-tile configs, and decode-layout
+    weights with scale bytes above 128."""
+    inter, b = 32, 9
+    ids, (q, qs) = make_ids("random", b, 0), make_plan(b, 0)
+    w13, w13_s, w2, w2_s = stock_weights(inter)
+    lifted = tuple((s.int() + 40).clamp(max=254).to(torch.uint8) for s in (w13_s, w2_s))
+    variants = [(layout, (w13, w13_s, w2, w2_s), a_bf16, wide)
+                for layout in ex.LAYOUTS for a_bf16 in ((0, 0), (1, 0), (0, 1), (1, 1))
+                for wide in (False, True)
+                if layout != "wgmma_decode" or a_bf16 == (1, 1)]
+    variants.append(("wgmma_decode", (w13, lifted[0], w2, lifted[1]), (1, 1), False))
+    for layout, stock, a_bf16, wide in variants:
+        weights = ex.prepare_weights(*stock, layout=layout)
+        counts, pairs, gen = ex.routing_lists(ids, E, WIDE_ROWS)
+        rows = poison(torch.empty(b * K, L, dtype=torch.bfloat16))
+        up, down = configs(a_bf16, wide, layout)
+        ex.experts(q, qs, weights, counts, pairs, gen, K, BETA, LINEAR_BETA, rows=rows,
+                   config_up=up, config_down=down)
+        assert not torch.isnan(rows.float()).any(), f"{layout} {a_bf16}: rows left unwritten"
+
+
+def compile_all(specs, tmp_path) -> list[str]:
+    """Compile each distinct spec for each target in a subprocess (no TRITON_INTERPRET);
+    returns one line per failure."""
+    distinct = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
+    path = tmp_path / "specs.json"
+    path.write_text(json.dumps({"targets": list(TARGETS), "specs": distinct}))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    here = pathlib.Path(__file__).parent
+    done = subprocess.run([sys.executable, str(here / "compile_specs.py"), str(path)],
+                          env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["compiled"] == len(distinct) * len(TARGETS), report
+    return report["failures"]
+
+
+def test_every_launched_kernel_compiles_for_h200_and_b200(recorded, tmp_path):
+    run_module_workload()
+    run_stage_workload()
+    run_experts_workload()
+    launched = {s["kernel"] for s in recorded}
+    stages = [importlib.import_module(f"{kernels.__name__}.{m.name}")
+              for m in pkgutil.iter_modules(kernels.__path__)]
+    wanted = {name for module in stages for name, obj in vars(module).items()
+              if name.endswith("_kernel") and isinstance(obj, interpreter.InterpretedFunction)}
+    assert wanted <= launched, f"the workload never launched {sorted(wanted - launched)}"
+    assert len(wanted) >= 10, sorted(wanted)
+    failures = compile_all(recorded, tmp_path)
+    assert not failures, "\n".join(failures)
