@@ -147,7 +147,7 @@ def sweep(monkeypatch, tmp_path, model, *extra):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # --dry-run sets it: restored after the test
     out = tmp_path / "table.json"
     assert tune.main(["--dry-run", "--quick", "--tp", "1", "--workers", "1", "--out", str(out),
-                      *extra]) == 0
+                      "--batches", *map(str, BUCKETS), *extra]) == 0
     return out
 
 

@@ -19,7 +19,7 @@ stops starting kernels after that many seconds and writes the table of what is d
 Beside the table, ``<table>.md``: the tuned config against the default at every point,
 both timed again at the end of the same run.
 
-    python -m wide_moe_triton.tune --quick --tp 8 16 1    # buckets 64, 256, 1024
+    python -m wide_moe_triton.tune --quick --tp 8 16 1    # buckets 64, 256, 512, 1024
     python -m wide_moe_triton.tune --tp 8 16 1 --batches 1 16 64 128 256 512 1024
 """
 
@@ -42,7 +42,10 @@ from . import mx, reference, tuning
 from .config import WideMoEConfig
 
 BUCKETS = (1, 16, 64, 128, 256, 512, 1024)
-QUICK_BUCKETS = (64, 256, 1024)
+# A batch runs the config of the narrowest bucket at least as wide (tuning.bucket_for), so
+# without 512 a batch of 257-1024 runs the b = 1024 config: on the H200 that put b = 512's
+# experts on 32-row tiles for about 9 tokens an expert (NOTES, second lease of 2026-12-03).
+QUICK_BUCKETS = (64, 256, 512, 1024)
 REP_MS, QUICK_REP_MS = 20, 10  # CUDA-graph replay time of one measurement
 QUICK_KERNEL_BUDGET = 60  # s of timing a kernel's candidates may take under --quick
 
