@@ -43,8 +43,9 @@ from .config import WideMoEConfig
 
 BUCKETS = (1, 16, 64, 128, 256, 512, 1024)
 # A batch runs the config of the narrowest bucket at least as wide (tuning.bucket_for), so
-# without 512 a batch of 257-1024 runs the b = 1024 config: on the H200 that put b = 512's
-# experts on 32-row tiles for about 9 tokens an expert (NOTES, second lease of 2026-12-03).
+# without 512 a batch of 257-1024 runs the b = 1024 config: on the H200 that gave b = 512's
+# experts 32-row tiles for about 9 tokens an expert, the likely cause of their 35% step
+# over b = 256 (NOTES, second lease of 2026-12-03).
 QUICK_BUCKETS = (64, 256, 512, 1024)
 REP_MS, QUICK_REP_MS = 20, 10  # CUDA-graph replay time of one measurement
 QUICK_KERNEL_BUDGET = 60  # s of timing a kernel's candidates may take under --quick

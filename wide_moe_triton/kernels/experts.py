@@ -534,8 +534,8 @@ def _halves(pairs, INTERPRET: tl.constexpr):
 @triton.jit
 def _power_of_two(biased, INTERPRET: tl.constexpr):
     """2**(biased - 127) for int32 ``biased`` in 1..254: BF16 (FP32 when INTERPRET)."""
-    # One return: Triton 3.6's compiler types every return of a function, even one under
-    # a constexpr branch it does not emit.
+    # One return: Triton's compiler (3.6 and 3.9) goes on past a taken constexpr branch
+    # that returned and types the next return too; the interpreter never does.
     if INTERPRET:
         factor = (biased << 23).to(tl.float32, bitcast=True)
     else:
