@@ -79,14 +79,12 @@ DEFAULT_UP_DECODE = dict(DEFAULT_UP, A_BF16=1)
 DEFAULT_DOWN_DECODE = dict(DEFAULT_DOWN, A_BF16=1)
 # BLOCK_K is deliberately absent: it fixes the reduction order, so it is a function of
 # the shape only (``reduction_block``), never of the batch-width bucket.
+# The up and the down launch share one space (each its own copy).
 SPACE_UP = [{"BLOCK_M": m, "BLOCK_N": n, "A_BF16": a, "num_warps": w, "num_stages": s,
              "maxnreg": r}
             for m in (16, 32, 64) for n in (64, 128, 256) for a in (0, 1)
             for w in (4, 8) for s in (3, 4, 5) for r in (0, 128)]
-SPACE_DOWN = [{"BLOCK_M": m, "BLOCK_N": n, "A_BF16": a, "num_warps": w, "num_stages": s,
-               "maxnreg": r}
-              for m in (16, 32, 64) for n in (64, 128, 256) for a in (0, 1)
-              for w in (4, 8) for s in (3, 4, 5) for r in (0, 128)]
+SPACE_DOWN = [dict(c) for c in SPACE_UP]
 # Configs the tuner always tries besides the default's neighbours: the best measured on
 # the H200 at wide batches (several changes away from the default).
 PRIORS_UP = [{"BLOCK_M": 32, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 8, "num_stages": 3,
@@ -272,14 +270,19 @@ def word_code() -> list[tuple[int, int, int]]:
     return table
 
 
+def _word_bytes(codes: torch.Tensor, block_k: int) -> torch.Tensor:
+    """Lane-ordered packed bytes [..., K/2] as [..., K/block_k, 4 (lane q), block_k/32
+    (word), 4 (byte of the word)]: lane order puts q major within a reduction step."""
+    steps, words = codes.shape[-1] * 2 // block_k, block_k // 32
+    return codes.reshape(*codes.shape[:-1], steps, 4, words, 4)
+
+
 def _word_elements(codes: torch.Tensor, block_k: int) -> torch.Tensor:
     """Lane-ordered packed codes [..., K/2] as nibbles [..., K/block_k, 4 (lane q),
     block_k/32 (word), 4 (pair), 2 (half)]: the 8 codes of each of a lane's words, in
     the order its MMA registers take them (element 32*word + 8*pair + 2*q + half)."""
-    steps, words = codes.shape[-1] * 2 // block_k, block_k // 32
-    bytes_ = codes.reshape(*codes.shape[:-1], steps, 4, words, 4)  # lane-ordered: q major
-    nib = torch.stack((bytes_ & 15, bytes_ >> 4), dim=-1)  # byte i of lane q: pair i, halves
-    return nib
+    bytes_ = _word_bytes(codes, block_k)
+    return torch.stack((bytes_ & 15, bytes_ >> 4), dim=-1)  # byte i: pair i, its halves
 
 
 def encode_words(codes: torch.Tensor, block_k: int) -> torch.Tensor:
@@ -296,8 +299,7 @@ def encode_words(codes: torch.Tensor, block_k: int) -> torch.Tensor:
 
 def decode_words(words: torch.Tensor, block_k: int) -> torch.Tensor:
     """The inverse of ``encode_words``."""
-    steps, n = words.shape[-1] * 2 // block_k, block_k // 32
-    b = words.reshape(*words.shape[:-1], steps, 4, n, 4).to(torch.int64)
+    b = _word_bytes(words, block_k).to(torch.int64)
     word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
     nib = torch.zeros(*word.shape, 4, 2, dtype=torch.int64, device=words.device)
     for bit, (pair, half, code_bit) in enumerate(word_code()):
