@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One lease of the H200 in four device-tool calls (each <= 9.5 min), in this order:
+#   profile  (to find what limits the experts) Nsight Compute over one experts call in
+#          each weight layout and over the matmul_ogs peer's GEMMs, as CSV
 #   tests  the GPU test suite (HYPOTHESIS_PROFILE=gpu-check, 16 workers, each test's
 #          result on its own line so a timeout still names what failed); it compiles
 #          for minutes: more than 530 s on 2026-12-03, hence a call of its own
@@ -55,6 +57,25 @@ case "${1:-}" in
       -n 16 -p no:benchmark -p no:cacheprovider --durations=20 tests/
     show tests "FAILED|ERROR|passed|failed" 30
     ;;
+  profile)
+    # Nsight Compute over one experts call (both layouts) and the matmul_ogs peer's GEMMs
+    # (benchmarks/profile_experts.py); the details and per-SASS-line source pages as CSV
+    for layout in wgmma wgmma_decode; do
+      kernels="experts_(up|down)"; [[ $layout == wgmma ]] && kernels="$kernels|matmul_ogs"
+      step "ncu_$layout" 200 60 env PYTHONPATH=.peers ncu --clock-control none --set full \
+        -k "regex:$kernels" -o "$OUT/$layout" python benchmarks/profile_experts.py --b 256 \
+        --layout "$layout"
+      show "ncu_$layout" "rel err|matmul_ogs|Error|ERROR" 5
+      if [[ -f "$OUT/$layout.ncu-rep" ]]; then
+        ncu --import "$OUT/$layout.ncu-rep" --page details --csv > "$OUT/${layout}_details.csv"
+        ncu --import "$OUT/$layout.ncu-rep" --page source --csv --print-source sass \
+          > "$OUT/${layout}_source.csv"
+        gzip -f "$OUT/${layout}_details.csv" "$OUT/${layout}_source.csv"
+        rm -f "$OUT/$layout.ncu-rep"
+      fi
+    done
+    ls -la "$OUT" >> "$SUMMARY"
+    ;;
   check)
     step peers 60 30 env PYTHONPATH=.peers python -m pytest -q -p no:cacheprovider \
       benchmarks/test_peers.py
@@ -72,15 +93,16 @@ case "${1:-}" in
   tune)
     # TUNE_RESUME=FILE: an earlier call's .partial.json (sent in the working tree) to go on from
     [[ -n "${TUNE_RESUME:-}" ]] && cp "$TUNE_RESUME" "$OUT/NVIDIA_H200.partial.json"
+    # TUNE_KERNELS="front ...": sweep those kernels only (fold into the table as usual)
     step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit "${TUNE_LIMIT:-450}" \
-      --out "$OUT/NVIDIA_H200.json"
+      ${TUNE_KERNELS:+--kernels $TUNE_KERNELS} --out "$OUT/NVIDIA_H200.json"
     tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
     ;;
   bench)
     python -c "import json; t = json.load(open('autotune_configs/NVIDIA_H200.json')); \
 print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     step bench 545 120 env PYTHONPATH=.peers python benchmarks/bench_layer.py \
-      --shapes tp8 tp1 tp16 --batches 65 128 256 512 1024 --out "$OUT"
+      --shapes ${BENCH_SHAPES:-tp8 tp1 tp16} --batches 65 128 256 512 1024 --out "$OUT"
     show bench "^# .* done in|batch invariance|^!!|not run|Traceback" 30
     [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
     ;;

@@ -467,9 +467,9 @@ def test_decoded_weights_are_the_exact_values(block_k, full_range, seed):
     codes, scales = mx.quantize_mxfp4(torch.randn(1, rows, k, generator=gen))
     if full_range:
         scales = torch.randint(0, 255, scales.shape, generator=gen, dtype=torch.uint8)
-    w = ex.prepare_weights(codes, scales, torch.zeros(1, k, rows // 4, dtype=torch.uint8),
-                           torch.zeros(1, k, rows // 64, dtype=torch.uint8),
-                           layout="wgmma_decode", block_k_up=block_k)
+    zeros = lambda *shape: torch.zeros(*shape, dtype=torch.uint8, device=DEVICE)  # noqa: E731
+    w = ex.prepare_weights(codes.to(DEVICE), scales.to(DEVICE), zeros(1, k, rows // 4),
+                           zeros(1, k, rows // 64), layout="wgmma_decode", block_k_up=block_k)
     assert w.wide_scales_up == bool((scales > 128).any())
     out = poison(torch.empty(rows, k, dtype=torch.bfloat16, device=DEVICE))
     _decode_tile_kernel[(1,)](w.w13.view(torch.int32), w.w13_scales, out, K=k, ROWS=rows,

@@ -45,6 +45,74 @@ def test_choose_reduction_not_the_smallest_buckets_winner():
         tune.choose_reduction({"a": {64: None, 256: 1.0}, "b": {64: 1.0, 256: None}})
 
 
+def front_case(b: int, N: int = 560, H: int = 7168) -> tune.Case:
+    return tune.Case("front", front.shape_key(N, H), front.SPACE, front.default_config(N, H, b),
+                     run=None, ok=None, reduction_keys=front.REDUCTION_KEYS,
+                     priors=tune.FRONT_PRIORS, pair_keys=tune.FRONT_PAIR_KEYS)
+
+
+SETTINGS = sorted({(c["BLOCK_K"], c["SPLIT_K"]) for c in front.SPACE})
+
+
+@given(st.sampled_from([1, 64, 512, 1024]), st.sampled_from(SETTINGS),
+       st.sampled_from([(0, 1), (1, 1), (1, 2)]), st.booleans())
+def test_candidates_lay_partial_priors_over_the_base(b, setting, split, quick):
+    """A prior that names some keys is tried over the base (the held reduction and
+    split kept); only configs of the space, the base first, each once."""
+    case = front_case(b)
+    held = dict(zip(("BLOCK_K", "SPLIT_K"), setting))
+    base = dict(case.default, **held, SPLIT_GRID=split[0], GROUP=split[1])
+    got = tune.candidates(case, base, case.priors, quick, sample=0, seed=1, held=held)
+    assert got[0] == base
+    assert all(c in front.SPACE for c in got[1:])
+    assert all(c[k] == v for c in got for k, v in held.items())
+    assert len({tune._key(c) for c in got}) == len(got)
+    for prior in tune.FRONT_PRIORS:
+        laid = dict(base, **prior)
+        assert (laid in got) == (laid in front.SPACE), prior
+
+
+def test_grouped_programs_are_trials_at_b_1024():
+    """At b = 1024 the default sums its segments in one program (SPLIT_GRID 0); the
+    grouped programs (SPLIT_GRID 1, GROUP > 1) are two keys away and still judged."""
+    case = front_case(1024)
+    assert case.default["SPLIT_GRID"] == 0
+    trials = tune.reduction_trials(case, {"BLOCK_K": 128, "SPLIT_K": 4})
+    assert any(t["SPLIT_GRID"] == 1 and t["GROUP"] > 1 for t in trials)
+
+
+def test_wide_tile_priors_reach_the_front_at_b_1024():
+    """The priors that motivated partial priors: 128x128 tiles on 8 warps over the TP8
+    front's shipped reduction (BLOCK_K 128, SPLIT_K 4, split over the grid)."""
+    case = front_case(1024)
+    held = {"BLOCK_K": 128, "SPLIT_K": 4}
+    base = dict(case.default, **held, SPLIT_GRID=1, GROUP=1)
+    got = tune.candidates(case, base, case.priors, True, held=held)
+    assert dict(base, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3) in got
+
+
+@given(st.sampled_from([64, 1024]), st.sampled_from(SETTINGS))
+def test_reduction_trials_every_split_of_a_setting(b, setting):
+    """A reduction setting is judged by the default with it and by every way the space
+    runs its splits (SPLIT_GRID, GROUP), all else as the default has it."""
+    case = front_case(b)
+    held = dict(zip(("BLOCK_K", "SPLIT_K"), setting))
+    trials = tune.reduction_trials(case, held)
+    base = dict(case.default, **held)
+    if base in front.SPACE or base == case.default:  # else the space never runs it
+        assert trials[0] == base
+    else:
+        assert base not in trials
+    free = set(tune.FRONT_PAIR_KEYS)
+    same = lambda c: all(c[k] == v for k, v in base.items() if k not in free)  # noqa: E731
+    want = [c for c in front.SPACE if same(c)]
+    assert all(same(c) for c in trials)
+    keys = [tune._key(c) for c in trials]
+    assert len(set(keys)) == len(keys)
+    assert set(keys) == {tune._key(c) for c in want} | ({tune._key(base)} if base in trials
+                                                         else set())
+
+
 class Model:
     """A stand-in front GEMM: its output is the config, right unless listed in
     ``wrong``; its time a random function of (b, config), the wrong configs fastest."""

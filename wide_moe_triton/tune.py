@@ -60,7 +60,8 @@ class Case:
     ``quick_keys`` (all keys when None), at most ``quick_near`` of them (all when None),
     and ``quick_random`` random configs. ``reduction_keys``: keys that set the reduction
     order, one choice per shape (``choose_reduction``); ``pair_keys``: keys tried with
-    each reduction choice before it is chosen (how the splits run)."""
+    each reduction choice, in every combination, before it is chosen (how the splits
+    run)."""
 
     def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=(), priors=(),
                  quick_near=None, quick_keys=None, quick_random=3, pair_keys=()):
@@ -103,7 +104,7 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     yield Case(frk.KERNEL, frk.shape_key(N, H), frk.SPACE, frk.default_config(N, H, b),
                lambda c: frk.front_gemm(x, packed, out=front_out, config=c),
                _close(x.double() @ packed.double().t(), 1e-5), frk.REDUCTION_KEYS,
-               pair_keys=FRONT_PAIR_KEYS)
+               priors=FRONT_PRIORS, pair_keys=FRONT_PAIR_KEYS)
 
     logits, bias = rnd(b, E), rnd(E) * 1e-3  # a balanced load, as after training
     lists = rk.RoutingLists.empty(E, max(b, 1), dev)
@@ -178,10 +179,18 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
 # Neighbours of the best reduction trial tried per bucket by --quick for the linears
 # that run on the front GEMM (their space is the front's, tuned in full beside them).
 QUICK_LINEAR = 2
-# Keys tried with each reduction choice of a front-GEMM kernel before one is chosen: a
-# split count runs as one program or as a grid of segments, and which is faster depends
-# on the batch width.
-FRONT_PAIR_KEYS = ("SPLIT_GRID",)
+# Keys tried with each reduction choice of a front-GEMM kernel before one is chosen, in
+# every combination the space holds: a split count runs as one program or as a grid of
+# programs summing GROUP segments each, and which is faster depends on the batch width
+# (at b = 1024 the grouped programs are two keys from the default, out of reach of a
+# one-key neighbour).
+FRONT_PAIR_KEYS = ("SPLIT_GRID", "GROUP")
+# Tiles the front-GEMM kernels always try, over whatever reduction and split the base
+# has: wide tiles on two warpgroups, several keys from the 64x64, 4-warp default (the
+# H200 sweep of 2026-12-03 left the front at 1.8x torch.mm at b = 1024 on 128x64 tiles).
+FRONT_PRIORS = ({"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+                {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 4},
+                {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 4})
 
 
 def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
@@ -195,8 +204,8 @@ def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
 
     def case(kernel, N, K, run, expected):
         return Case(kernel, frk.shape_key(N, K), frk.SPACE, frk.default_config(N, K, b), run,
-                    _close(expected, 1e-2), frk.REDUCTION_KEYS, quick_near=QUICK_LINEAR,
-                    quick_random=0, pair_keys=FRONT_PAIR_KEYS)
+                    _close(expected, 1e-2), frk.REDUCTION_KEYS, priors=FRONT_PRIORS,
+                    quick_near=QUICK_LINEAR, quick_random=0, pair_keys=FRONT_PAIR_KEYS)
 
     gate_up = (rnd(2 * S, H) * H ** -0.5).to(bf16)
     pairs = sk.interleave_gate_up(gate_up)
@@ -336,10 +345,10 @@ def _holds(config: dict, held: dict | None) -> bool:
 
 def candidates(case: Case, base: dict, extra=(), quick: bool = False,
                sample: int | None = None, seed: int = 0, held: dict | None = None) -> list:
-    """Configs to time for ``case``, ``base`` first: ``extra`` (priors: those of the space
-    with base's keys), base's neighbours, then random configs of the space (``sample`` of
-    them; None: all). Only configs that keep the keys of ``held``. Under ``quick`` the
-    case's quick limits apply (``Case``)."""
+    """Configs to time for ``case``, ``base`` first: ``extra`` (priors: whole configs, or
+    some keys set over base's; those in the space), base's neighbours, then random
+    configs of the space (``sample`` of them; None: all). Only configs that keep the keys
+    of ``held``. Under ``quick`` the case's quick limits apply (``Case``)."""
     space = [c for c in case.space if _holds(c, held)]
     keys = case.quick_keys if quick else None
     if held:
@@ -350,7 +359,8 @@ def candidates(case: Case, base: dict, extra=(), quick: bool = False,
         if case.quick_near is not None:
             near = rng.sample(near, min(case.quick_near, len(near)))
         sample = case.quick_random
-    priors = [p for p in extra if set(p) == set(base) and p in space]
+    priors = [dict(base, **p) for p in extra if set(p) <= set(base)]
+    priors = [p for p in priors if p in space]
     rest = [c for c in space if c != base and c not in near and c not in priors]
     if sample is not None:
         rest = rng.sample(rest, min(sample, len(rest)))
@@ -386,10 +396,12 @@ def reduction_options(case: Case, quick: bool, known=()) -> list:
 
 def reduction_trials(case: Case, setting: dict) -> list:
     """What a reduction setting is judged by at one bucket: the default with that setting,
-    and its neighbours along ``case.pair_keys``."""
+    and every config of the space that differs from it in ``case.pair_keys`` only."""
     base = dict(case.default, **setting)
-    trials = [base, *neighbours(case.space, base, case.pair_keys)]
-    return [c for c in trials if c == case.default or c in case.space]
+    free = set(case.pair_keys)
+    variants = [c for c in case.space if c != base
+                and all(c.get(k) == v for k, v in base.items() if k not in free)]
+    return [c for c in [base, *variants] if c == case.default or c in case.space]
 
 
 def choose_reduction(times: dict):
