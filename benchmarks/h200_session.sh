@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # One lease of the H200 in four device-tool calls (each <= 9.5 min), in this order:
+#   probe  (when the experts kernels changed) probe_experts.py's configs, then the
+#          experts' GPU tests
 #   profile  (to find what limits the experts) Nsight Compute over one experts call in
 #          each weight layout and over the matmul_ogs peer's GEMMs, as CSV
 #   tests  the GPU test suite (HYPOTHESIS_PROFILE=gpu-check, 16 workers, each test's
@@ -56,6 +58,15 @@ case "${1:-}" in
     step tests 545 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -v -rf --tb=short \
       -n 16 -p no:benchmark -p no:cacheprovider --durations=20 tests/
     show tests "FAILED|ERROR|passed|failed" 30
+    ;;
+  probe)
+    # the experts' configs in both Hopper layouts (probe_experts.py), then their GPU tests
+    step probe 300 60 python benchmarks/probe_experts.py --tp 8 --batches 65 256 1024 \
+      --layouts wgmma wgmma_decode --top 4 --no-untiled
+    show probe "^\|" 8
+    step tests_experts 150 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -q -rf \
+      --tb=short -n 16 -p no:cacheprovider tests/test_experts.py
+    show tests_experts "FAILED|ERROR|passed|failed" 10
     ;;
   profile)
     # Nsight Compute over one experts call (both layouts) and the matmul_ogs peer's GEMMs

@@ -10,7 +10,9 @@ the matmul_ogs peer's two GEMMs once over the same experts, routing built before
 (benchmarks/peers.py). Each output is checked (rows against ``reference.expert_rows`` on
 the first tokens; the peer by ``peers.check_matmul_ogs``) so that a profile is never of
 a wrong kernel. Without a GPU it runs the tiny dims in Triton's interpreter (a check of
-the script). What it found: benchmarks/NOTES.md.
+the script). `bash benchmarks/h200_session.sh profile` runs it under ncu in both Hopper
+layouts and brings the pages back as CSV; written in the third lease of 2026-12-03, not
+yet run on a GPU (benchmarks/NOTES.md, "Open items").
 """
 
 from __future__ import annotations

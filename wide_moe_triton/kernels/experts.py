@@ -5,10 +5,10 @@ Two launches, both with grid (expert, column tile), both building their row tile
 device from the routing lists (no host sync, CUDA-graph capturable):
 
 - ``up``   (E, cdiv(I, BLOCK_N)): for each tile of BLOCK_M pairs of expert e, gathers the
-  tokens' MXFP8 plan rows, computes BLOCK_N gate and BLOCK_N up columns with two
-  ``tl.dot_scaled`` (E2M1 weights x E4M3 activations, FP32 accumulation) over L, applies
-  SiTU in FP32 and quantizes the hidden to MXFP8 per 32 columns (``plan.mxfp8_tile``)
-  into the workspace at row p.
+  tokens' MXFP8 plan rows, computes BLOCK_N gate and BLOCK_N up columns with one
+  ``tl.dot_scaled`` a reduction step over the tile's 2*BLOCK_N weight rows (E2M1 weights
+  x E4M3 activations, FP32 accumulation) over L, applies SiTU in FP32 and quantizes the
+  hidden to MXFP8 per 32 columns (``plan.mxfp8_tile``) into the workspace at row p.
 - ``down`` (E, cdiv(L, BLOCK_N)): same list walk; ``tl.dot_scaled`` of W2_e with the
   hidden rows over I, rounded once to BF16 into ``rows`` at row p.
 
@@ -74,9 +74,12 @@ DEFAULT_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 0, "num_warps": 4, "num_st
               "maxnreg": 128}
 DEFAULT_DOWN = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
                 "maxnreg": 0}
-# With the "wgmma_decode" layout (which takes BF16 activations only): the same tiles.
-DEFAULT_UP_DECODE = dict(DEFAULT_UP, A_BF16=1)
-DEFAULT_DOWN_DECODE = dict(DEFAULT_DOWN, A_BF16=1)
+# With the "wgmma_decode" layout (which takes BF16 activations only): the best of the
+# H200 probe at TP8, b = 65 and 256 (benchmarks/NOTES.md, third lease).
+DEFAULT_UP_DECODE = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 1, "num_warps": 8,
+                     "num_stages": 3, "maxnreg": 128}
+DEFAULT_DOWN_DECODE = {"BLOCK_M": 16, "BLOCK_N": 256, "A_BF16": 1, "num_warps": 8,
+                       "num_stages": 3, "maxnreg": 128}
 # BLOCK_K is deliberately absent: it fixes the reduction order, so it is a function of
 # the shape only (``reduction_block``), never of the batch-width bucket.
 # The up and the down launch share one space (each its own copy).
@@ -326,7 +329,11 @@ def default_layout(device) -> str:
     """"wgmma" where the weights enter the tensor cores from registers (Hopper, and the
     interpreter, so that CPU tests run the layout the H200 runs); "nk" on other GPUs,
     whose MX tensor cores (Blackwell) read both operands from shared memory (there the
-    tiled order would likely pay too, but it was not measured)."""
+    tiled order would likely pay too, but it was not measured).
+
+    ("wgmma_decode" ran the TP8 experts 5-7% faster than "wgmma" at b = 65-256 and 5%
+    slower at 1024 on the H200, over the probe's short config lists; no sweep has tuned
+    it yet, so it is not the default: benchmarks/NOTES.md, third lease.)"""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         return "nk"
@@ -628,6 +635,15 @@ def _bf16_activations(values_ptr, row, k0, cols, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _next_step(k0, cols, BLOCK_K: tl.constexpr):
+    """The reduction step after k0, wrapping to 0 after the last. The hint says what the
+    compiler cannot see through the modulo, that it is a multiple of BLOCK_K: without it
+    the activation tiles at that offset are loaded a byte (or a BF16 value) at a time,
+    16 loads a thread a step instead of one 16-byte load."""
+    return tl.multiple_of((k0 + BLOCK_K) % cols, BLOCK_K)
+
+
+@triton.jit
 def _activation_tile(codes_ptr, scales_ptr, values_ptr, row, k0, cols,
                      A_BF16: tl.constexpr, BLOCK_K: tl.constexpr):
     """The activations of rows ``row`` for reduction step k0 as ``_mx_dot`` takes them:
@@ -744,38 +760,27 @@ def _experts_up_kernel(
                                       num_experts, wide_rows)
     w_e = w_ptr + e.to(tl.int64) * (2 * INTER * LATENT // (8 if DECODE else 2))
     ws_e = ws_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 32)
-    up_in = n_in + INTER  # the up rows follow the I gate rows
+    # The tile's gate rows, then its up rows (the up rows follow the I gate rows): one
+    # dot a step over both, so one shared-memory fence, barrier and MMA wait a step.
+    rows = tl.reshape(tl.join(n_in, n_in + INTER).permute(1, 0), (2 * BLOCK_N,))
     sc = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
     # An expert with no pairs runs zero iterations: its weights are never read.
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
         token = pair // TOP_K
-        acc_g = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
         a, a_s = _activation_tile(q_ptr, qs_ptr, qv_ptr, token, 0, LATENT, A_BF16, BLOCK_K)
         for k0 in tl.range(0, LATENT, BLOCK_K, num_stages=NUM_STAGES):
             # The next step's activations, a step ahead by hand: the compiler pipelines
             # the weights but not these gathered tiles. The last step reloads step 0.
             a_next, a_s_next = _activation_tile(q_ptr, qs_ptr, qv_ptr, token,
-                                                (k0 + BLOCK_K) % LATENT, LATENT, A_BF16,
-                                                BLOCK_K)
-            if DECODE:
-                acc_g = _weights_dot(acc_g, w_e, ws_e, n_in, k0, a, a_s, LATENT, A_BF16,
-                                     DECODE, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER,
-                                     BLOCK_N, BLOCK_K)
-                acc_u = _weights_dot(acc_u, w_e, ws_e, up_in, k0, a, a_s, LATENT, A_BF16,
-                                     DECODE, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER,
-                                     BLOCK_N, BLOCK_K)
-            else:  # both tiles loaded ahead of both dots: measurably fewer instructions
-                wg = _weight_codes(w_e, n_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK,
-                                   WGMMA_ORDER)
-                wg_s = _weight_scales(ws_e, n_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
-                wu = _weight_codes(w_e, up_in, k0, LATENT, BLOCK_N, BLOCK_K, ROW_BLOCK,
-                                   WGMMA_ORDER)
-                wu_s = _weight_scales(ws_e, up_in, k0, LATENT, BLOCK_K, ROW_BLOCK)
-                acc_g = _mx_dot(acc_g, wg, wg_s, a, a_s, A_BF16)
-                acc_u = _mx_dot(acc_u, wu, wu_s, a, a_s, A_BF16)
+                                                _next_step(k0, LATENT, BLOCK_K), LATENT,
+                                                A_BF16, BLOCK_K)
+            acc = _weights_dot(acc, w_e, ws_e, rows, k0, a, a_s, LATENT, A_BF16, DECODE,
+                               WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
+                               BLOCK_K)
             a, a_s = a_next, a_s_next
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
         codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
         tl.store(h_ptr + pair[:, None] * INTER + n[None, :], codes,
@@ -815,7 +820,8 @@ def _experts_down_kernel(
         for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
             # A step ahead by hand, as in the up kernel.
             a_next, a_s_next = _activation_tile(h_ptr, hs_ptr, hv_ptr, pair,
-                                                (k0 + BLOCK_K) % INTER, INTER, A_BF16, BLOCK_K)
+                                                _next_step(k0, INTER, BLOCK_K), INTER, A_BF16,
+                                                BLOCK_K)
             acc = _weights_dot(acc, w_e, ws_e, n_in, k0, a, a_s, INTER, A_BF16, DECODE,
                                WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K)
             a, a_s = a_next, a_s_next
