@@ -242,3 +242,24 @@ def test_sweep_time_limit_writes_what_is_done(monkeypatch, tmp_path):
     table = json.loads(out.read_text())
     assert table["kernels"] == {} and "incomplete" in table["sweep"]
     assert model.timed == []
+
+
+def test_sweep_of_some_kernels_folds_into_the_table(monkeypatch, tmp_path):
+    """``--kernels``: the shapes swept replace theirs in the table already there, every
+    other entry stays; a sweep of every kernel writes the table anew."""
+    model = Model(5, 0.0)
+    out = sweep(monkeypatch, tmp_path, model)
+    first = json.loads(out.read_text())
+    first["kernels"]["other"] = {"S9": {"64": {"X": 1}}}
+    first["kernels"]["plain"]["S0"] = {"64": {"X": 2}}
+    out.write_text(json.dumps(first))
+    again = json.loads(sweep(monkeypatch, tmp_path, Model(6, 0.0), "--fresh",
+                             "--kernels", "plain").read_text())
+    assert again["kernels"]["other"] == first["kernels"]["other"]
+    assert again["kernels"]["front"] == first["kernels"]["front"]
+    assert again["kernels"]["plain"]["S0"] == {"64": {"X": 2}}
+    assert sorted(map(int, again["kernels"]["plain"]["S1"])) == list(BUCKETS)
+    assert again["timings_us"]["front"] == first["timings_us"]["front"]
+    assert again["sweep"].startswith(first["sweep"]) and "--kernels plain" in again["sweep"]
+    whole = json.loads(sweep(monkeypatch, tmp_path, Model(7, 0.0), "--fresh").read_text())
+    assert "other" not in whole["kernels"] and "S0" not in whole["kernels"]["plain"]

@@ -650,7 +650,19 @@ def _finish(g: Group, args) -> None:
     partial.write_text(json.dumps(args.done, indent=1))
 
 
+def _fold(old: dict, new: dict) -> dict:
+    """{kernel: {shape: ...}} of ``old`` with every (kernel, shape) of ``new`` replacing
+    its entry whole (one reduction setting a shape: never mix buckets of two sweeps)."""
+    out = {k: dict(shapes) for k, shapes in old.items()}
+    for kernel, shapes in new.items():
+        out.setdefault(kernel, {}).update(shapes)
+    return out
+
+
 def write_table(done: dict, path: pathlib.Path, args=None) -> None:
+    """The table of the sweep ``done`` at ``path``. A sweep of some kernels only
+    (``--kernels``) folds into the table already there: the shapes it swept replace
+    theirs, every other entry stays."""
     import triton
 
     name = tuning.gpu_name() or "interpreter (dry run)"
@@ -667,7 +679,13 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
     if args is not None:
         table["sweep"] = (f"{'--quick ' if args.quick else ''}--tp {' '.join(map(str, args.tp))}"
                           f" --batches {' '.join(map(str, sorted(args.batches)))}"
+                          f"{' --kernels ' + ' '.join(args.kernels) if args.kernels else ''}"
                           f"{' (stopped at --time-limit: incomplete)' if args.stopped else ''}")
+        if args.kernels and path.exists():
+            old = json.loads(path.read_text())
+            table["kernels"] = _fold(old.get("kernels", {}), kernels)
+            table["timings_us"] = _fold(old.get("timings_us", {}), timings)
+            table["sweep"] = f"{old.get('sweep', '?')}; then {table['sweep']}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
