@@ -105,10 +105,11 @@ case "${1:-}" in
     # TUNE_RESUME=FILE: an earlier call's .partial.json (sent in the working tree) to go on from
     [[ -n "${TUNE_RESUME:-}" ]] && cp "$TUNE_RESUME" "$OUT/NVIDIA_H200.partial.json"
     # TUNE_KERNELS="front ...": sweep those kernels only, folded into a copy of the
-    # shipped table (tune --kernels folds into the table at --out)
+    # shipped table (tune --kernels folds into the table at --out); TUNE_ARGS: more
+    # options (e.g. "--experts-layout wgmma_decode")
     [[ -n "${TUNE_KERNELS:-}" ]] && cp autotune_configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
     step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit "${TUNE_LIMIT:-450}" \
-      ${TUNE_KERNELS:+--kernels $TUNE_KERNELS} --out "$OUT/NVIDIA_H200.json"
+      ${TUNE_KERNELS:+--kernels $TUNE_KERNELS} ${TUNE_ARGS:-} --out "$OUT/NVIDIA_H200.json"
     tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
     ;;
   bench)

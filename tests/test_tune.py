@@ -3,7 +3,10 @@ reduction setting for every bucket of a shape (the least worst slowdown), a conf
 that fails its check never chosen, resume and the time limit."""
 
 import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, strategies as st
@@ -210,7 +213,7 @@ class Fake:
 
 def sweep(monkeypatch, tmp_path, model, *extra):
     monkeypatch.setattr(tune, "cases", Fake(model))
-    monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen: None)
+    monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen, layout: None)
     monkeypatch.setattr(tune, "time_config", model.time)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # --dry-run sets it: restored after the test
     out = tmp_path / "table.json"
@@ -263,3 +266,48 @@ def test_sweep_of_some_kernels_folds_into_the_table(monkeypatch, tmp_path):
     assert again["sweep"].startswith(first["sweep"]) and "--kernels plain" in again["sweep"]
     whole = json.loads(sweep(monkeypatch, tmp_path, Model(7, 0.0), "--fresh").read_text())
     assert "other" not in whole["kernels"] and "S0" not in whole["kernels"]["plain"]
+
+
+@given(st.sampled_from(["wgmma", "wgmma_decode", "nk"]), st.sampled_from([1, 65]))
+def test_experts_cases_tune_the_layout_asked_for(layout, b):
+    """``--experts-layout``: the experts are prepared in that layout, and their cases
+    carry its table key and its configs (BF16 activations only for "wgmma_decode")."""
+    from wide_moe_triton import WideMoEConfig
+    from wide_moe_triton.kernels import experts as ex
+    import torch
+
+    cfg = WideMoEConfig.tiny(tp=1)
+    gen = torch.Generator().manual_seed(b)
+    weights = tune.random_expert_weights(cfg, gen, layout)
+    assert weights["prepared"].layout == layout
+    got = {c.kernel: c for c in tune.cases(cfg, b, gen, weights)
+           if c.kernel in (ex.KERNEL_UP, ex.KERNEL_DOWN)}
+    t = ex.tuning(layout)
+    assert got[ex.KERNEL_UP].shape.endswith(t.suffix) and got[ex.KERNEL_UP].shape == \
+        got[ex.KERNEL_DOWN].shape
+    assert got[ex.KERNEL_UP].default == t.default_up
+    assert got[ex.KERNEL_DOWN].default == t.default_down
+    assert (layout == "wgmma_decode") == (t.suffix == "_decode")
+    assert all(c["A_BF16"] for c in got[ex.KERNEL_UP].space) == (layout == "wgmma_decode")
+
+
+def test_cli_dry_run_tunes_the_experts_layout_asked_for(tmp_path):
+    """The command line as a user runs it, without TRITON_INTERPRET set beforehand
+    (``--dry-run`` sets it before any kernel is defined): the experts of the layout asked
+    for are swept into its own table entries."""
+    from wide_moe_triton import WideMoEConfig
+    from wide_moe_triton.kernels import experts as ex
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "table.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "wide_moe_triton.tune", "--dry-run", "--quick", "--tp", "1",
+         "--kernels", ex.KERNEL_UP, "--experts-layout", "wgmma_decode", "--batches", "4",
+         "--kernel-budget", "5", "--workers", "1", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cfg = WideMoEConfig.tiny(tp=1)
+    key = ex.shape_key(cfg.latent, cfg.intermediate_per_rank, cfg.num_experts) + "_decode"
+    entries = json.loads(out.read_text())["kernels"]
+    assert list(entries) == [ex.KERNEL_UP] and list(entries[ex.KERNEL_UP]) == [key]
+    assert entries[ex.KERNEL_UP][key]["4"]["A_BF16"] == 1

@@ -235,8 +235,11 @@ def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
                start.double() + normed.double() @ up.double().t())
 
 
-def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator) -> dict:
-    """Rank-local MXFP4 experts drawn like ``LatentMoE``'s, without building the layer."""
+def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator,
+                          layout: str | None = None) -> dict:
+    """Rank-local MXFP4 experts drawn like ``LatentMoE``'s, without building the layer,
+    prepared in ``layout`` (default: ``experts.default_layout`` of the generator's
+    device)."""
     from .kernels import experts as ek
 
     dev = gen.device
@@ -249,7 +252,8 @@ def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator) -> dict:
         p, s = mx.quantize_mxfp4(torch.randn(n, L, I, generator=gen, device=dev) * I ** -0.5)
         parts["w2"].append(p), parts["w2_scales"].append(s)
     w = {k: torch.cat(v) for k, v in parts.items()}
-    w["prepared"] = ek.prepare_weights(w["w13"], w["w13_scales"], w["w2"], w["w2_scales"])
+    w["prepared"] = ek.prepare_weights(w["w13"], w["w13_scales"], w["w2"], w["w2_scales"],
+                                       layout)
     return w
 
 
@@ -506,7 +510,7 @@ def sweep(args) -> dict:
         cfg = WideMoEConfig.tiny(tp=tp) if args.dry_run else WideMoEConfig.kimi_k3(tp=tp)
         gen = torch.Generator(device="cpu" if args.dry_run else "cuda").manual_seed(tp)
         t0 = time.monotonic()
-        weights = random_expert_weights(cfg, gen)
+        weights = random_expert_weights(cfg, gen, args.experts_layout)
         groups = {}
         for b in sorted(args.batches):
             for case in cases(cfg, b, gen, weights):
@@ -725,6 +729,10 @@ def main(argv=None) -> int:
     p.add_argument("--tp", type=int, nargs="+", default=[8, 16, 1])
     p.add_argument("--batches", type=int, nargs="+")
     p.add_argument("--kernels", nargs="+", help="only these kernels (default: all)")
+    p.add_argument("--experts-layout",
+                   help="the experts' weight layout to tune, one of experts.LAYOUTS "
+                        "(default: the one this GPU stores them in, experts.default_layout); "
+                        "each layout has its own table entries")
     p.add_argument("--quick", action="store_true",
                    help=f"buckets {QUICK_BUCKETS}; the default, priors and neighbours (3 random "
                         f"configs more for the cheap kernels; {QUICK_REDUCTIONS}+ reduction "
@@ -752,6 +760,11 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("tune needs a CUDA GPU (configs are per GPU)", file=sys.stderr)
         return 2
+    # Imported only now: kernels defined before --dry-run sets TRITON_INTERPRET would not
+    # run in the interpreter.
+    from .kernels.experts import LAYOUTS
+    if args.experts_layout is not None and args.experts_layout not in LAYOUTS:
+        p.error(f"--experts-layout must be one of {LAYOUTS}, got {args.experts_layout!r}")
     args.batches = args.batches or list(QUICK_BUCKETS if args.quick else BUCKETS)
     if args.kernel_budget is None and args.quick:
         args.kernel_budget = QUICK_KERNEL_BUDGET
