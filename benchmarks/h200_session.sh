@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lease of the H200 in four device-tool calls (each <= 9.5 min), in this order:
+# The H200 lease in device-tool calls (each <= 9.5 min), one mode a call; the usual order:
 #   probe  (when the experts kernels changed) probe_experts.py's configs, then the
 #          experts' GPU tests
 #   profile  (to find what limits the experts) Nsight Compute over one experts call in
