@@ -120,7 +120,7 @@ print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     show bench "^# .* done in|batch invariance|^!!|not run|Traceback" 30
     [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
     ;;
-  *) echo "usage: OUT=DIR $0 tests|check|tune|bench" >&2; exit 2 ;;
+  *) echo "usage: OUT=DIR $0 probe|profile|tests|check|tune|bench" >&2; exit 2 ;;
 esac
 echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
 cat "$SUMMARY"

@@ -48,10 +48,11 @@ def test_choose_reduction_not_the_smallest_buckets_winner():
         tune.choose_reduction({"a": {64: None, 256: 1.0}, "b": {64: 1.0, 256: None}})
 
 
-def front_case(b: int, N: int = 560, H: int = 7168) -> tune.Case:
+def front_case(b: int, N: int = 560, H: int = 7168, priors=tune.FRONT_PRIORS) -> tune.Case:
+    """The front GEMM's case as ``tune.cases`` builds it, with no kernel to run."""
     return tune.Case("front", front.shape_key(N, H), front.SPACE, front.default_config(N, H, b),
-                     run=None, ok=None, reduction_keys=front.REDUCTION_KEYS,
-                     priors=tune.FRONT_PRIORS, pair_keys=tune.FRONT_PAIR_KEYS)
+                     run=None, ok=None, reduction_keys=front.REDUCTION_KEYS, priors=priors,
+                     pair_keys=tune.FRONT_PAIR_KEYS)
 
 
 SETTINGS = sorted({(c["BLOCK_K"], c["SPLIT_K"]) for c in front.SPACE})
@@ -136,9 +137,7 @@ class Model:
         return None if wrong else cost
 
     def case(self, b: int, N: int = 560, H: int = 7168):
-        c = tune.Case("front", front.shape_key(N, H), front.SPACE, front.default_config(N, H, b),
-                      run=None, ok=None, reduction_keys=front.REDUCTION_KEYS,
-                      pair_keys=tune.FRONT_PAIR_KEYS)
+        c = front_case(b, N, H, priors=())
         c.b = b
         return c
 
