@@ -83,6 +83,9 @@ case "${1:-}" in
           > "$OUT/${layout}_source.csv"
         gzip -f "$OUT/${layout}_details.csv" "$OUT/${layout}_source.csv"
         rm -f "$OUT/$layout.ncu-rep"
+        python benchmarks/ncu_summary.py "$OUT/${layout}_details.csv.gz" \
+          "$OUT/${layout}_source.csv.gz" > "$OUT/${layout}_summary.txt" 2>&1
+        head -40 "$OUT/${layout}_summary.txt" | sed "s/^/  $layout| /" >> "$SUMMARY"
       fi
     done
     ls -la "$OUT" >> "$SUMMARY"

@@ -53,11 +53,11 @@ REF_DOWN = dict(BLOCK_M=16, BLOCK_N=128, A_BF16=0, num_warps=4, num_stages=3, ma
 # The "wgmma_decode" layout (the kernels decode the weights to BF16 themselves; BF16
 # activations only): its configs, probed over the same weights in that layout.
 # Most promising first (``--top``).
-UP_DECODE = _configs([(16, 64, 1, 4, 3, 128), (16, 128, 1, 8, 3, 128), (16, 64, 1, 4, 3, 0),
-                      (32, 128, 1, 8, 3, 128), (16, 128, 1, 4, 3, 0), (16, 64, 1, 4, 4, 128)])
-DOWN_DECODE = _configs([(16, 128, 1, 4, 3, 0), (16, 128, 1, 8, 3, 96),
-                        (16, 256, 1, 8, 3, 128), (32, 128, 1, 8, 3, 128),
-                        (16, 128, 1, 4, 3, 128), (16, 64, 1, 4, 3, 0)])
+UP_DECODE = _configs([(16, 128, 1, 8, 3, 128), (16, 128, 1, 8, 4, 128), (16, 64, 1, 4, 4, 128),
+                      (16, 64, 1, 4, 3, 128), (32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 4, 0)])
+DOWN_DECODE = _configs([(16, 256, 1, 8, 3, 128), (16, 256, 1, 8, 4, 128),
+                        (16, 128, 1, 4, 4, 128), (16, 128, 1, 4, 3, 0), (32, 256, 1, 8, 4, 128),
+                        (16, 128, 1, 8, 4, 96)])
 REF_UP_DECODE, REF_DOWN_DECODE = UP_DECODE[0], DOWN_DECODE[0]
 
 

@@ -11,8 +11,8 @@ the matmul_ogs peer's two GEMMs once over the same experts, routing built before
 the first tokens; the peer by ``peers.check_matmul_ogs``) so that a profile is never of
 a wrong kernel. Without a GPU it runs the tiny dims in Triton's interpreter (a check of
 the script). `bash benchmarks/h200_session.sh profile` runs it under ncu in both Hopper
-layouts and brings the pages back as CSV; written in the third lease of 2026-12-03, not
-yet run on a GPU (benchmarks/NOTES.md, "Open items").
+layouts and brings the pages back as CSV (first run in the fourth lease of 2026-12-03:
+benchmarks/NOTES.md has what it showed).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     print(f"matmul_ogs: {chk}", flush=True)
     ogs.gemms(latent, ogs.route(ids, w))
     torch.cuda.synchronize()
-    return 0 if chk.ok() else 1
+    return 0 if chk.ok else 1
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def compile_kernel(kind, cfg, layout="wgmma"):
     dec = layout == "wgmma_decode"
     if dec:
         sig["w_ptr"] = "*i32"
-    const.update(DECODE=dec, WIDE_SCALES=WIDE, INTERPRET=False)
+    const.update(DECODE=dec, STAGED=dec, WIDE_SCALES=WIDE, INTERPRET=False)  # sm_90: staged_dot
     const.update(ROW_BLOCK=64, WGMMA_ORDER=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
                  NUM_STAGES=cfg["num_stages"])
     const.update(ex._layout_constexprs(layout) if hasattr(ex, "_layout_constexprs") else {})

@@ -65,6 +65,10 @@ def launch_spec(fn, args, kwargs) -> dict:
         value = bound[name] if name in bound else param.default
         if name == "INTERPRET":  # the branch a GPU takes (the interpreter's never compiles)
             spec["constexprs"][name] = False
+        elif name == "STAGED" and value:  # what each GPU takes (experts.staged_dot)
+            spec["constexprs"][name] = True
+            spec["per_target"] = {name: {str(c): c // 10 == ex.STAGED_CAPABILITY
+                                         for c in TARGETS}}
         elif _is_constexpr(param) or value is None:
             spec["constexprs"][name] = value
         elif isinstance(value, torch.Tensor):

@@ -399,7 +399,8 @@ def test_a_bf16_variants_are_bitwise_identical():
 @example(case=("hot", BM + 1, 10), inter=32, raised=40)
 def test_decode_layout_with_wide_scales_matches_dot_scaled_bits(case, inter, raised):
     """Scale bytes above 128 (where the decode multiplies twice): the "wgmma_decode"
-    layout gives the bits dot_scaled's E2M1 path gives."""
+    layout gives the bits dot_scaled's E2M1 path gives, on Hopper's path (``tl.dot``,
+    operands staged) and on the others' (``tl.dot_scaled``, ``staged_dot`` False)."""
     kind, b, seed = case
     ids = make_ids(kind, b, seed)
     q, qs = make_plan(b, seed)
@@ -411,15 +412,18 @@ def test_decode_layout_with_wide_scales_matches_dot_scaled_bits(case, inter, rai
     stock = (w13, lift(w13_s), w2, lift(w2_s))
     assert max(int(stock[1].max()), int(stock[3].max())) > 128
     runs = []
-    for layout in ("wgmma", "wgmma_decode"):
+    for layout, staged in (("wgmma", None), ("wgmma_decode", None), ("wgmma_decode", False)):
         weights = ex.prepare_weights(*(t.to(DEVICE) for t in stock), layout=layout)
         counts, pairs, gen_t = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
         rows = poison(torch.empty(b * K, L, dtype=torch.bfloat16, device=DEVICE))
         up, down = configs((1, 1))
-        ex.experts(q.to(DEVICE), qs.to(DEVICE), weights, counts, pairs, gen_t, K, BETA,
-                   LINEAR_BETA, rows=rows, config_up=up, config_down=down)
+        with pytest.MonkeyPatch.context() as patch:
+            if staged is not None:
+                patch.setattr(ex, "staged_dot", lambda device: staged)
+            ex.experts(q.to(DEVICE), qs.to(DEVICE), weights, counts, pairs, gen_t, K, BETA,
+                       LINEAR_BETA, rows=rows, config_up=up, config_down=down)
         runs.append(rows.cpu().view(torch.int16))
-    assert torch.equal(runs[0], runs[1])
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
 
 
 def test_word_code_is_a_permutation_of_the_word():
@@ -441,6 +445,20 @@ def test_encode_words_keeps_each_word_and_inverts(block_k, seed):
                        ones(codes).reshape(2, 3, -1, 4).sum(-1))
     assert torch.equal(ex.decode_words(enc, block_k), codes)
     assert not torch.equal(enc, codes)
+
+
+@given(block_k=st.sampled_from([32, 128]), rows=st.integers(1, 9), piece=st.integers(1, 4),
+       seed=seeds)
+def test_words_are_encoded_alike_in_any_pieces(block_k, rows, piece, seed):
+    """Re-encoding goes by pieces of rows (its memory would otherwise be 16x the
+    weights'): any piece size gives the bytes of one pass over the whole tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 256, (rows, 3, block_k), generator=gen, dtype=torch.uint8)
+    whole = ex._encode_rows(codes, block_k)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ex, "_WORD_ROWS", piece)
+        assert torch.equal(ex.encode_words(codes, block_k), whole)
+        assert torch.equal(ex.decode_words(whole, block_k), codes)
 
 
 @triton.jit
@@ -588,7 +606,7 @@ def test_prepare_weights_fixes_layout_and_reduction_blocks():
     assert sw.block_k_up == 64 and sw.row_block == ex.ROW_BLOCK
     assert all(torch.equal(a, b) for a, b in zip(sw.stock(), stock))
     assert not torch.equal(sw.w13, w13)
-    assert ex.prepare_weights(w13, w13_s, w2, w2_s).layout == "wgmma"  # CPU default
+    assert ex.prepare_weights(w13, w13_s, w2, w2_s).layout == "wgmma_decode"  # CPU default
     with pytest.raises(ValueError, match="^layout "):
         ex.prepare_weights(w13, w13_s, w2, w2_s, layout="kn")
     with pytest.raises(ValueError, match="^w2 "):

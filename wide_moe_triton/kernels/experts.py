@@ -5,12 +5,13 @@ Two launches, both with grid (expert, column tile), both building their row tile
 device from the routing lists (no host sync, CUDA-graph capturable):
 
 - ``up``   (E, cdiv(I, BLOCK_N)): for each tile of BLOCK_M pairs of expert e, gathers the
-  tokens' MXFP8 plan rows, computes BLOCK_N gate and BLOCK_N up columns with one
-  ``tl.dot_scaled`` a reduction step over the tile's 2*BLOCK_N weight rows (E2M1 weights
-  x E4M3 activations, FP32 accumulation) over L, applies SiTU in FP32 and quantizes the
-  hidden to MXFP8 per 32 columns (``plan.mxfp8_tile``) into the workspace at row p.
-- ``down`` (E, cdiv(L, BLOCK_N)): same list walk; ``tl.dot_scaled`` of W2_e with the
-  hidden rows over I, rounded once to BF16 into ``rows`` at row p.
+  tokens' MXFP8 plan rows, computes BLOCK_N gate and BLOCK_N up columns with one dot a
+  reduction step over the tile's 2*BLOCK_N weight rows (E2M1 weights x E4M3
+  activations, exact products, see below; FP32 accumulation) over L, applies SiTU in
+  FP32 and quantizes the hidden to MXFP8 per 32 columns (``plan.mxfp8_tile``) into the
+  workspace at row p.
+- ``down`` (E, cdiv(L, BLOCK_N)): same list walk; the dot of W2_e with the hidden rows
+  over I, rounded once to BF16 into ``rows`` at row p.
 
 Each program streams its weight slice once per tile of BLOCK_M pairs, so an expert with
 at most BLOCK_M pairs streams its weights once per call; an expert no pair chose costs
@@ -18,18 +19,24 @@ one load of its count.
 
 How the weights stream (Hopper; benchmarks/NOTES.md has the measurements):
 
-- Swap-AB: the weights are ``dot_scaled``'s left operand, so that a weight tile fills
-  the tensor cores' 64-row side and the handful of tokens an expert gets their narrow
-  side (16 or more), instead of a token tile padded to 64 rows.
-- On Hopper, which has no MX tensor cores, ``dot_scaled`` upcasts the E2M1 tile to BF16
-  in registers and feeds wgmma's register operand. The "wgmma" weight layout
-  (``ExpertWeights``) orders each row's bytes the way that operand's threads take them
-  and stores each (64 rows x one reduction step) tile contiguously, so tiles arrive as
-  wide, contiguous, asynchronous copies.
-- The upcast is then the limit: Triton's E2M1 decode is a table lookup by byte permutes
-  (about 2.8 integer instructions an element), and the integer pipe runs at half the
-  rate of the FP32 one. ``maxnreg`` (a register cap, per config) buys resident warps to
-  hide its latency.
+- Swap-AB: the weights are the MMA's left operand, so that a weight tile fills the
+  tensor cores' 64-row side and the handful of tokens an expert gets their narrow side
+  (16 or more), instead of a token tile padded to 64 rows.
+- Hopper has no MX tensor cores: the E2M1 tile is upcast to BF16 in registers and feeds
+  wgmma's register operand. The tiled layouts (``ExpertWeights``) order each row's
+  bytes the way that operand's threads take them and store each (64 rows x one
+  reduction step) tile contiguously, so tiles arrive as wide, contiguous, asynchronous
+  copies.
+- "wgmma_decode", the Hopper default, also permutes the bits of each 4-byte word so
+  that our own decode is a few shifts and masks (``_bf16_pairs``), about a third fewer
+  instructions than Triton's E2M1 table lookup, and on Hopper multiplies the exact BF16
+  tiles with ``tl.dot`` (``staged_dot``), whose operands the compiler's pipeliner
+  stages in shared memory asynchronously: the gathered activation rows then feed the
+  MMA from shared memory with no store through registers, no fence and one barrier
+  less a step (``_reduce_staged``, ``_bf16_weights_dot``). "wgmma" feeds the E2M1
+  codes to ``tl.dot_scaled``, whose activation operand the pipeliner does not stage
+  (``_reduce_prefetched``).
+- ``maxnreg`` (a register cap, per config) buys resident warps to hide latency.
 
 Reproducibility: an output row of an MMA depends only on its own input row and on the
 order of the reduction, which is fixed by BLOCK_K (chosen per shape, at
@@ -40,13 +47,13 @@ may pick a different MMA instruction for another BLOCK_M or num_warps; that it s
 row in the same order is the hardware's property, which tests/test_experts.py checks
 bit for bit.)
 
-``A_BF16`` (a config choice, 0/1): feed the activations to ``tl.dot_scaled`` as E4M3
-codes with their scales, or as their BF16 values, computed once ahead (the plan's by
-``_plan_values_kernel``, the hidden's by the up kernel, into the workspace). E4M3 times
-an E8M0 scale is exact in BF16 for scale bytes 3..246, i.e. for every block whose amax
-is at least 2**-116 (below that, BF16's subnormals run out): DESIGN.md's exact upcast.
-Both variants feed the same BF16 products to the same FP32 MMA; which one streams
-faster is measured.
+``A_BF16`` (a config choice, 0/1; 1 for "wgmma_decode"): feed the activations to the
+dot as E4M3 codes with their scales, or as their BF16 values, computed once ahead (the
+plan's by ``_plan_values_kernel``, the hidden's by the up kernel, into the workspace).
+E4M3 times an E8M0 scale is exact in BF16 for scale bytes 3..246, i.e. for every block
+whose amax is at least 2**-116 (below that, BF16's subnormals run out): DESIGN.md's
+exact upcast. Both variants feed the same BF16 products to the same FP32 MMA; which one
+streams faster is measured.
 """
 
 from __future__ import annotations
@@ -74,9 +81,9 @@ DEFAULT_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 0, "num_warps": 4, "num_st
               "maxnreg": 128}
 DEFAULT_DOWN = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
                 "maxnreg": 0}
-# With the "wgmma_decode" layout (which takes BF16 activations only): the best of the
-# H200 probe at TP8, b = 65 and 256 (benchmarks/NOTES.md, third lease).
-DEFAULT_UP_DECODE = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 1, "num_warps": 8,
+# With the "wgmma_decode" layout (BF16 activations only): the best of the H200 probe at
+# TP8, b = 65 and 256 (benchmarks/NOTES.md, fourth lease).
+DEFAULT_UP_DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 1, "num_warps": 4,
                      "num_stages": 3, "maxnreg": 128}
 DEFAULT_DOWN_DECODE = {"BLOCK_M": 16, "BLOCK_N": 256, "A_BF16": 1, "num_warps": 8,
                        "num_stages": 3, "maxnreg": 128}
@@ -111,6 +118,19 @@ PRIORS_DOWN = [{"BLOCK_M": 32, "BLOCK_N": 256, "A_BF16": 0, "num_warps": 8, "num
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "A_BF16", "num_warps", "num_stages", "maxnreg")
 
 
+def _configs(rows) -> list[dict]:
+    """Launch configs from rows of values in CONFIG_KEYS order."""
+    return [dict(zip(CONFIG_KEYS, row)) for row in rows]
+
+
+# The "wgmma_decode" layout's priors: the probe's best at b = 1024 (32-row tiles) and
+# its runners-up at b = 65-256 (benchmarks/NOTES.md, fourth lease).
+PRIORS_UP_DECODE = _configs([(32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 3, 128),
+                             (16, 64, 1, 4, 4, 128)])
+PRIORS_DOWN_DECODE = _configs([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 128),
+                               (16, 128, 1, 4, 4, 128)])
+
+
 class Tuning(NamedTuple):
     """What the sweep tries for one weight layout: the table key's suffix, the defaults,
     the spaces and the priors of the up and the down launch."""
@@ -125,14 +145,13 @@ class Tuning(NamedTuple):
 
 def tuning(layout: str) -> Tuning:
     """The sweep's configs for weights in ``layout``: "wgmma_decode" takes BF16
-    activations only, so its spaces and priors are the others' with A_BF16 = 1."""
+    activations only, so its spaces are the others' configs with A_BF16 = 1."""
     if layout != "wgmma_decode":
         return Tuning("", DEFAULT_UP, DEFAULT_DOWN, SPACE_UP, SPACE_DOWN, PRIORS_UP,
                       PRIORS_DOWN)
     bf16 = lambda configs: [c for c in configs if c["A_BF16"]]  # noqa: E731
     return Tuning("_decode", DEFAULT_UP_DECODE, DEFAULT_DOWN_DECODE, bf16(SPACE_UP),
-                  bf16(SPACE_DOWN), [dict(c, A_BF16=1) for c in PRIORS_UP],
-                  [dict(c, A_BF16=1) for c in PRIORS_DOWN])
+                  bf16(SPACE_DOWN), PRIORS_UP_DECODE, PRIORS_DOWN_DECODE)
 
 # Preferred reduction steps (elements along L for up, along I for down); the step used is
 # the largest power of two <= this that divides the dimension.
@@ -288,10 +307,36 @@ def _word_elements(codes: torch.Tensor, block_k: int) -> torch.Tensor:
     return torch.stack((bytes_ & 15, bytes_ >> 4), dim=-1)  # byte i: pair i, its halves
 
 
+# Rows a piece when re-encoding words: the bit-by-bit work holds 16 int64 a byte, so a
+# whole TP1 W13 (896 x 6144 rows of 1792 bytes) at once would take 150 GB; 4096 rows
+# take under 1 GB.
+_WORD_ROWS = 1 << 12
+
+
+def _by_rows(fn, t: torch.Tensor, block_k: int) -> torch.Tensor:
+    """fn(piece, block_k) over pieces of _WORD_ROWS rows of ``t`` [..., K/2] (fn keeps
+    each row's shape), gathered into one tensor of t's shape."""
+    rows = t.reshape(-1, t.shape[-1])
+    out = torch.empty_like(rows)
+    for start in range(0, rows.shape[0], _WORD_ROWS):
+        piece = rows[start:start + _WORD_ROWS]
+        out[start:start + _WORD_ROWS] = fn(piece, block_k)
+    return out.reshape(t.shape)
+
+
 def encode_words(codes: torch.Tensor, block_k: int) -> torch.Tensor:
     """Lane-ordered packed E2M1 codes (``lane_order``) [..., K/2] with each 4-byte word
     (a lane's 8 codes of 32 reduction elements) re-encoded bit by bit as ``word_code``
     says, little-endian (same shape, uint8)."""
+    return _by_rows(_encode_rows, codes, block_k)
+
+
+def decode_words(words: torch.Tensor, block_k: int) -> torch.Tensor:
+    """The inverse of ``encode_words``."""
+    return _by_rows(_decode_rows, words, block_k)
+
+
+def _encode_rows(codes: torch.Tensor, block_k: int) -> torch.Tensor:
     nib = _word_elements(codes, block_k).to(torch.int64)
     word = torch.zeros(nib.shape[:-2], dtype=torch.int64, device=codes.device)
     for bit, (pair, half, code_bit) in enumerate(word_code()):
@@ -300,8 +345,7 @@ def encode_words(codes: torch.Tensor, block_k: int) -> torch.Tensor:
     return out.to(torch.uint8).reshape(codes.shape)
 
 
-def decode_words(words: torch.Tensor, block_k: int) -> torch.Tensor:
-    """The inverse of ``encode_words``."""
+def _decode_rows(words: torch.Tensor, block_k: int) -> torch.Tensor:
     b = _word_bytes(words, block_k).to(torch.int64)
     word = b[..., 0] | b[..., 1] << 8 | b[..., 2] << 16 | b[..., 3] << 24
     nib = torch.zeros(*word.shape, 4, 2, dtype=torch.int64, device=words.device)
@@ -326,18 +370,32 @@ def untile(t: torch.Tensor, row_block: int, step: int) -> torch.Tensor:
 
 
 def default_layout(device) -> str:
-    """"wgmma" where the weights enter the tensor cores from registers (Hopper, and the
-    interpreter, so that CPU tests run the layout the H200 runs); "nk" on other GPUs,
+    """"wgmma_decode" where the weights enter the tensor cores from registers (Hopper, and
+    the interpreter, so that CPU tests run the layout the H200 runs): our own exact
+    decode, and both operands staged by the compiler's pipeliner, 1.35-1.45x faster than
+    "wgmma" at TP8 on the H200 (benchmarks/NOTES.md, fourth lease). "nk" on other GPUs,
     whose MX tensor cores (Blackwell) read both operands from shared memory (there the
-    tiled order would likely pay too, but it was not measured).
-
-    ("wgmma_decode" ran the TP8 experts 5-7% faster than "wgmma" at b = 65-256 and 5%
-    slower at 1024 on the H200, over the probe's short config lists; no sweep has tuned
-    it yet, so it is not the default: benchmarks/NOTES.md, third lease.)"""
+    tiled order would likely pay too, but it was not measured)."""
     device = torch.device(device)
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
         return "nk"
-    return "wgmma"
+    return "wgmma_decode"
+
+
+# The compute capability (major) on which "wgmma_decode" weights go to ``tl.dot``.
+STAGED_CAPABILITY = 9
+
+
+def staged_dot(device) -> bool:
+    """Whether "wgmma_decode" weights are multiplied with ``tl.dot``, both operands
+    staged by the compiler's pipeliner (``_reduce_staged``): on Hopper, where
+    ``tl.dot_scaled`` would form the same BF16 products, and in the interpreter, which
+    stands in for it. Elsewhere ``tl.dot_scaled``, as DESIGN.md has it (and Triton 3.9
+    cannot compile the ``tl.dot`` form for sm_100 at every tile: 128 x 32 weight tiles
+    fail)."""
+    device = torch.device(device)
+    return (device.type != "cuda"
+            or torch.cuda.get_device_capability(device)[0] == STAGED_CAPABILITY)
 
 
 def _check_scales_finite(name: str, scales: torch.Tensor) -> None:
@@ -627,9 +685,8 @@ def _activations(codes_ptr, scales_ptr, row, k0, cols, BLOCK_K: tl.constexpr):
 @triton.jit
 def _bf16_activations(values_ptr, row, k0, cols, BLOCK_K: tl.constexpr):
     """BF16 activation tile of rows ``row`` (int64 [M]) of a [*, cols] BF16 matrix,
-    columns k0 .. k0+BLOCK_K-1, loaded transposed ([BLOCK_K, M]): as the tensor cores'
-    shared-memory operand, which the compiler then fills asynchronously (a transpose
-    after the load would keep it from doing so)."""
+    columns k0 .. k0+BLOCK_K-1, loaded transposed ([BLOCK_K, M]): ``dot_scaled``'s right
+    operand, the weights being its left."""
     k = k0 + tl.arange(0, BLOCK_K)
     return tl.load(values_ptr + row[None, :] * cols + k[:, None])
 
@@ -698,16 +755,28 @@ def _mx_dot(acc, w, w_scales, a, a_scales, A_BF16: tl.constexpr):
 
 
 @triton.jit
-def _bf16_weights_dot(acc, w, a, INTERPRET: tl.constexpr):
+def _bf16_weights_dot(acc, w, a, STAGED: tl.constexpr, INTERPRET: tl.constexpr):
     """acc + W @ A in FP32 of BF16 weights W [N, K] (``_decoded_weights``) and BF16
-    activations A [K, M] (``_bf16_activations``).
+    activations A [K, M].
 
-    Triton's interpreter runs dot_scaled's "bf16" operands as if FP16 (values past 65504
-    become Inf, subnormals 0), so there the same exact values go to an FP32 dot, which
-    it sums as it sums dot_scaled (one FP32 matmul)."""
+    Both operands hold the exact values of the MX operands (DESIGN.md: exact upcast).
+    STAGED (Hopper, ``staged_dot``): ``tl.dot``, the product ``tl.dot_scaled`` forms on
+    Hopper too (no MX tensor cores there: it upcasts to BF16 for wgmma), because Triton
+    3.6's pipeliner stages a ``tl.dot`` operand in shared memory asynchronously but not
+    a ``dot_scaled`` one (even with formats "bf16"): that cost each step a store of the
+    activations through registers, a fence and a barrier, 1.36-1.40x the time at TP8
+    (benchmarks/NOTES.md, 2026-12-03 fourth lease). Else ``tl.dot_scaled``.
+
+    Triton's interpreter computes BF16 products as if FP16 (values past 65504 become
+    Inf, subnormals 0), so there the same exact values go to an FP32 dot, which it sums
+    as one FP32 matmul."""
     if INTERPRET:
-        return tl.dot(_bf16_as_f32(w), _bf16_as_f32(a), acc, input_precision="ieee")
-    return tl.dot_scaled(w, None, "bf16", a, None, "bf16", acc, fast_math=True)
+        acc = tl.dot(_bf16_as_f32(w), _bf16_as_f32(a), acc, input_precision="ieee")
+    elif STAGED:
+        acc = tl.dot(w, a, acc)
+    else:
+        acc = tl.dot_scaled(w, None, "bf16", a, None, "bf16", acc, fast_math=True)
+    return acc
 
 
 @triton.jit
@@ -718,21 +787,75 @@ def _bf16_as_f32(x):
 
 
 @triton.jit
-def _weights_dot(acc, w_e, ws_e, rows, k0, a, a_s, K: tl.constexpr, A_BF16: tl.constexpr,
-                 DECODE: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
-                 ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """acc + W[rows, k0 .. k0+BLOCK_K-1] @ A.T for the expert matrix at w_e (codes: words
-    when DECODE, the "wgmma_decode" layout, which takes BF16 activations only; bytes
-    otherwise) and ws_e (scales)."""
-    if DECODE:
-        w = _decoded_weights(w_e, ws_e, rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
-                             WIDE_SCALES, INTERPRET)
-        return _bf16_weights_dot(acc, w, a, INTERPRET)
+def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e, w_rows,
+            K: tl.constexpr, A_BF16: tl.constexpr, DECODE: tl.constexpr,
+            STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+            ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """acc + W[w_rows, :] @ A[act_rows, :].T over the whole reduction (K elements) in
+    steps of BLOCK_K, in order: W the expert matrix at w_e/ws_e (codes, scales), A the
+    activations, gathered by ``act_rows`` (codes_ptr/scales_ptr: MXFP8; values_ptr: their
+    BF16 values, the only ones DECODE takes). STAGED: DECODE on Hopper (``staged_dot``)."""
+    if STAGED:
+        acc = _reduce_staged(acc, values_ptr, act_rows, w_e, ws_e, w_rows, K, WIDE_SCALES,
+                             INTERPRET, ROW_BLOCK, BLOCK_N, BLOCK_K, NUM_STAGES)
     else:
-        w = _weight_codes(w_e, rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
-        w_s = _weight_scales(ws_e, rows, k0, K, BLOCK_K, ROW_BLOCK)
-        return _mx_dot(acc, w, w_s, a, a_s, A_BF16)
+        acc = _reduce_prefetched(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e,
+                                 w_rows, K, A_BF16, DECODE, WIDE_SCALES, INTERPRET,
+                                 ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES)
+    return acc
+
+
+@triton.jit
+def _reduce_staged(acc, values_ptr, act_rows, w_e, ws_e, w_rows, K: tl.constexpr,
+                   WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+                   ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   NUM_STAGES: tl.constexpr):
+    """``_reduce`` for "wgmma_decode" weights: both operands of each step loaded in that
+    step, so that the compiler's pipeliner stages both through shared memory with
+    asynchronous copies, NUM_STAGES - 1 steps ahead. The weights then load into
+    registers in the layout the tensor cores take them from (lane order), are decoded
+    there, and the activation rows feed the MMA straight from shared memory (read
+    transposed, a view): no store of theirs through registers, no fence a step."""
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(values_ptr + act_rows[:, None] * K + k[None, :])
+        w = _decoded_weights(w_e, ws_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
+                             WIDE_SCALES, INTERPRET)
+        acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _reduce_prefetched(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e, w_rows,
+                       K: tl.constexpr, A_BF16: tl.constexpr, DECODE: tl.constexpr,
+                       WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+                       ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """``_reduce`` with ``tl.dot_scaled``: of the E2M1 codes ("wgmma", "nk"), or of our
+    decode of "wgmma_decode" words off Hopper.
+
+    The compiler's pipeliner stages the weights through shared memory, but not the
+    operand of a ``dot_scaled`` that feeds the MMA from shared memory (Triton 3.6), so
+    the gathered activation tiles are loaded a step ahead by hand; each step then stores
+    its tile into shared memory through registers."""
+    a, a_s = _activation_tile(codes_ptr, scales_ptr, values_ptr, act_rows, 0, K, A_BF16,
+                              BLOCK_K)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        # The last step reloads step 0: a wasted load, but a peeled last step would
+        # leave the pipeliner's copies of its weights unprefetched.
+        a_next, a_s_next = _activation_tile(codes_ptr, scales_ptr, values_ptr, act_rows,
+                                            _next_step(k0, K, BLOCK_K), K, A_BF16, BLOCK_K)
+        if DECODE:
+            w = _decoded_weights(w_e, ws_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
+                                 WIDE_SCALES, INTERPRET)
+            acc = _bf16_weights_dot(acc, w, a, False, INTERPRET)
+        else:
+            w = _weight_codes(w_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK, WGMMA_ORDER)
+            w_s = _weight_scales(ws_e, w_rows, k0, K, BLOCK_K, ROW_BLOCK)
+            acc = _mx_dot(acc, w, w_s, a, a_s, A_BF16)
+        a, a_s = a_next, a_s_next
+    return acc
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -744,7 +867,7 @@ def _experts_up_kernel(
         LATENT: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
         HAS_LINEAR_BETA: tl.constexpr, A_BF16: tl.constexpr, STORE_VALUES: tl.constexpr,
         ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
-        WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+        STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr):
     """Program (e, j): hidden columns j*BLOCK_N .. of every pair listed for expert e,
@@ -767,19 +890,10 @@ def _experts_up_kernel(
     # An expert with no pairs runs zero iterations: its weights are never read.
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-        token = pair // TOP_K
-        acc = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
-        a, a_s = _activation_tile(q_ptr, qs_ptr, qv_ptr, token, 0, LATENT, A_BF16, BLOCK_K)
-        for k0 in tl.range(0, LATENT, BLOCK_K, num_stages=NUM_STAGES):
-            # The next step's activations, a step ahead by hand: the compiler pipelines
-            # the weights but not these gathered tiles. The last step reloads step 0.
-            a_next, a_s_next = _activation_tile(q_ptr, qs_ptr, qv_ptr, token,
-                                                _next_step(k0, LATENT, BLOCK_K), LATENT,
-                                                A_BF16, BLOCK_K)
-            acc = _weights_dot(acc, w_e, ws_e, rows, k0, a, a_s, LATENT, A_BF16, DECODE,
-                               WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
-                               BLOCK_K)
-            a, a_s = a_next, a_s_next
+        acc = _reduce(tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32), q_ptr, qs_ptr, qv_ptr,
+                      pair // TOP_K, w_e, ws_e, rows, LATENT, A_BF16, DECODE, STAGED,
+                      WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N, BLOCK_K,
+                      NUM_STAGES)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
         codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
@@ -799,7 +913,7 @@ def _experts_down_kernel(
         w_ptr, ws_ptr, rows_ptr, num_experts, wide_rows,
         LATENT: tl.constexpr, INTER: tl.constexpr, A_BF16: tl.constexpr,
         ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
-        WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+        STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr):
     """Program (e, j): latent columns j*BLOCK_N .. of every pair listed for expert e,
@@ -815,16 +929,9 @@ def _experts_down_kernel(
     ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        a, a_s = _activation_tile(h_ptr, hs_ptr, hv_ptr, pair, 0, INTER, A_BF16, BLOCK_K)
-        for k0 in tl.range(0, INTER, BLOCK_K, num_stages=NUM_STAGES):
-            # A step ahead by hand, as in the up kernel.
-            a_next, a_s_next = _activation_tile(h_ptr, hs_ptr, hv_ptr, pair,
-                                                _next_step(k0, INTER, BLOCK_K), INTER, A_BF16,
-                                                BLOCK_K)
-            acc = _weights_dot(acc, w_e, ws_e, n_in, k0, a, a_s, INTER, A_BF16, DECODE,
-                               WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K)
-            a, a_s = a_next, a_s_next
+        acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr, pair,
+                      w_e, ws_e, n_in, INTER, A_BF16, DECODE, STAGED, WIDE_SCALES,
+                      INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES)
         tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
                  f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -980,7 +1087,8 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
     if cfg_up["A_BF16"]:
         _plan_values(q, q_scales, ws.q_values)
     tiles = dict(ROW_BLOCK=weights.row_block, WGMMA_ORDER=weights.layout in TILED_LAYOUTS,
-                 DECODE=decode, INTERPRET=_interpreting())
+                 DECODE=decode, STAGED=decode and staged_dot(device),
+                 INTERPRET=_interpreting())
     codes = (lambda t: t.view(torch.int32)) if decode else (lambda t: t)
     _experts_up_kernel[(E, triton.cdiv(inter, cfg_up["BLOCK_N"]))](
         q, q_scales, ws.q_values, counts, pairs, generation, codes(weights.w13),
