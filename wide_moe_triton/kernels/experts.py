@@ -842,8 +842,7 @@ def _reduce_prefetched(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws
     a, a_s = _activation_tile(codes_ptr, scales_ptr, values_ptr, act_rows, 0, K, A_BF16,
                               BLOCK_K)
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        # The last step reloads step 0: a wasted load, but a peeled last step would
-        # leave the pipeliner's copies of its weights unprefetched.
+        # The next step's activations, a step ahead; the last step reloads step 0.
         a_next, a_s_next = _activation_tile(codes_ptr, scales_ptr, values_ptr, act_rows,
                                             _next_step(k0, K, BLOCK_K), K, A_BF16, BLOCK_K)
         if DECODE:
