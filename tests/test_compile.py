@@ -9,7 +9,8 @@ interpreter (the module at tiny dims on one rank and on two simulated ranks, the
 in every weight layout and activation format, wide scale bytes) and compiles each
 distinct specialization in a subprocess without TRITON_INTERPRET, with the launch's
 num_warps / num_stages / maxnreg and 16-byte alignment where the JIT would assume it,
-and INTERPRET False (the kernels' GPU branch). Triton's compiler here is 3.9, the H200
+INTERPRET False (the kernels' GPU branch), and the experts' STAGED as each target's
+launch sets it (``experts.staged_dot``: sm_90 only). Triton's compiler here is 3.9, the H200
 machine's 3.6: a pass here is evidence for 3.6, not proof.
 """
 import importlib
