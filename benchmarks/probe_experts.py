@@ -34,30 +34,28 @@ from wide_moe_triton.kernels import route as rk  # noqa: E402
 DRY = not torch.cuda.is_available()
 
 
-def _configs(rows):
-    return [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s, maxnreg=r)
-            for m, n, a, w, s, r in rows]
-
-
 # Most promising first (``--top``): the shipped table's configs lead.
-UP = _configs([(16, 64, 0, 4, 3, 128), (16, 64, 0, 4, 4, 128), (32, 128, 0, 8, 3, 128),
-               (16, 128, 0, 8, 4, 128), (16, 128, 0, 4, 3, 0), (16, 128, 0, 8, 3, 128),
-               (16, 128, 1, 8, 3, 128), (16, 64, 0, 4, 3, 96), (16, 256, 0, 8, 3, 168),
-               (32, 64, 0, 4, 3, 128), (32, 128, 0, 4, 3, 0)])
-DOWN = _configs([(16, 128, 0, 4, 3, 0), (16, 256, 0, 8, 3, 128), (32, 256, 0, 8, 3, 128),
-                 (16, 128, 0, 8, 3, 96), (16, 128, 0, 8, 3, 80), (16, 64, 0, 4, 3, 96),
-                 (16, 128, 0, 4, 3, 128), (16, 128, 1, 8, 3, 96), (32, 128, 0, 8, 3, 96)])
+UP = ex.config_rows([
+    (16, 64, 0, 4, 3, 128), (16, 64, 0, 4, 4, 128), (32, 128, 0, 8, 3, 128),
+    (16, 128, 0, 8, 4, 128), (16, 128, 0, 4, 3, 0), (16, 128, 0, 8, 3, 128),
+    (16, 128, 1, 8, 3, 128), (16, 64, 0, 4, 3, 96), (16, 256, 0, 8, 3, 168),
+    (32, 64, 0, 4, 3, 128), (32, 128, 0, 4, 3, 0)])
+DOWN = ex.config_rows([
+    (16, 128, 0, 4, 3, 0), (16, 256, 0, 8, 3, 128), (32, 256, 0, 8, 3, 128),
+    (16, 128, 0, 8, 3, 96), (16, 128, 0, 8, 3, 80), (16, 64, 0, 4, 3, 96),
+    (16, 128, 0, 4, 3, 128), (16, 128, 1, 8, 3, 96), (32, 128, 0, 8, 3, 96)])
 # The other launch's config while one is probed.
 REF_UP = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=0, num_warps=4, num_stages=3, maxnreg=128)
 REF_DOWN = dict(BLOCK_M=16, BLOCK_N=128, A_BF16=0, num_warps=4, num_stages=3, maxnreg=0)
 # The "wgmma_decode" layout (the kernels decode the weights to BF16 themselves; BF16
 # activations only): its configs, probed over the same weights in that layout.
 # Most promising first (``--top``).
-UP_DECODE = _configs([(16, 128, 1, 8, 3, 128), (16, 128, 1, 8, 4, 128), (16, 64, 1, 4, 4, 128),
-                      (16, 64, 1, 4, 3, 128), (32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 4, 0)])
-DOWN_DECODE = _configs([(16, 256, 1, 8, 3, 128), (16, 256, 1, 8, 4, 128),
-                        (16, 128, 1, 4, 4, 128), (16, 128, 1, 4, 3, 0), (32, 256, 1, 8, 4, 128),
-                        (16, 128, 1, 8, 4, 96)])
+UP_DECODE = ex.config_rows([
+    (16, 128, 1, 8, 3, 128), (16, 128, 1, 8, 4, 128), (16, 64, 1, 4, 4, 128),
+    (16, 64, 1, 4, 3, 128), (32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 4, 0)])
+DOWN_DECODE = ex.config_rows([
+    (16, 256, 1, 8, 3, 128), (16, 256, 1, 8, 4, 128), (16, 128, 1, 4, 4, 128),
+    (16, 128, 1, 4, 3, 0), (32, 256, 1, 8, 4, 128), (16, 128, 1, 8, 4, 96)])
 REF_UP_DECODE, REF_DOWN_DECODE = UP_DECODE[0], DOWN_DECODE[0]
 
 

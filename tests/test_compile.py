@@ -68,7 +68,7 @@ def launch_spec(fn, args, kwargs) -> dict:
             spec["constexprs"][name] = False
         elif name == "STAGED" and value:  # what each GPU takes (experts.staged_dot)
             spec["constexprs"][name] = True
-            spec["per_target"] = {name: {str(c): c // 10 == ex.STAGED_CAPABILITY
+            spec["per_target"] = {name: {str(c): c // 10 == ex.HOPPER
                                          for c in TARGETS}}
         elif _is_constexpr(param) or value is None:
             spec["constexprs"][name] = value

@@ -118,17 +118,17 @@ PRIORS_DOWN = [{"BLOCK_M": 32, "BLOCK_N": 256, "A_BF16": 0, "num_warps": 8, "num
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "A_BF16", "num_warps", "num_stages", "maxnreg")
 
 
-def _configs(rows) -> list[dict]:
+def config_rows(rows) -> list[dict]:
     """Launch configs from rows of values in CONFIG_KEYS order."""
     return [dict(zip(CONFIG_KEYS, row)) for row in rows]
 
 
 # The "wgmma_decode" layout's priors: the probe's best at b = 1024 (32-row tiles) and
 # its runners-up at b = 65-256 (benchmarks/NOTES.md, fourth lease).
-PRIORS_UP_DECODE = _configs([(32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 3, 128),
-                             (16, 64, 1, 4, 4, 128)])
-PRIORS_DOWN_DECODE = _configs([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 128),
-                               (16, 128, 1, 4, 4, 128)])
+PRIORS_UP_DECODE = config_rows([(32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 3, 128),
+                                (16, 64, 1, 4, 4, 128)])
+PRIORS_DOWN_DECODE = config_rows([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 128),
+                                  (16, 128, 1, 4, 4, 128)])
 
 
 class Tuning(NamedTuple):
@@ -369,21 +369,26 @@ def untile(t: torch.Tensor, row_block: int, step: int) -> torch.Tensor:
     return tiles.contiguous().reshape(E, R, C)
 
 
+# Hopper's compute capability (major): wgmma, which takes its left operand from
+# registers, and no MX tensor cores.
+HOPPER = 9
+
+
+def _hopper(device) -> bool:
+    """A Hopper GPU, or the interpreter (a CPU device), which stands in for one so that
+    CPU tests run what the H200 runs."""
+    device = torch.device(device)
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] == HOPPER
+
+
 def default_layout(device) -> str:
     """"wgmma_decode" where the weights enter the tensor cores from registers (Hopper, and
-    the interpreter, so that CPU tests run the layout the H200 runs): our own exact
-    decode, and both operands staged by the compiler's pipeliner, 1.35-1.45x faster than
-    "wgmma" at TP8 on the H200 (benchmarks/NOTES.md, fourth lease). "nk" on other GPUs,
-    whose MX tensor cores (Blackwell) read both operands from shared memory (there the
-    tiled order would likely pay too, but it was not measured)."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] != 9:
-        return "nk"
-    return "wgmma_decode"
-
-
-# The compute capability (major) on which "wgmma_decode" weights go to ``tl.dot``.
-STAGED_CAPABILITY = 9
+    the interpreter): our own exact decode, and both operands staged by the compiler's
+    pipeliner, 1.44x and 1.45x faster than "wgmma" at TP8, b = 256 and 65, in one probe
+    run on the H200 (benchmarks/NOTES.md, fourth lease). "nk" on other GPUs, whose MX
+    tensor cores (Blackwell) read both operands from shared memory (there the tiled
+    order would likely pay too, but it was not measured)."""
+    return "wgmma_decode" if _hopper(device) else "nk"
 
 
 def staged_dot(device) -> bool:
@@ -393,9 +398,7 @@ def staged_dot(device) -> bool:
     stands in for it. Elsewhere ``tl.dot_scaled``, as DESIGN.md has it (and Triton 3.9
     cannot compile the ``tl.dot`` form for sm_100 at every tile: 128 x 32 weight tiles
     fail)."""
-    device = torch.device(device)
-    return (device.type != "cuda"
-            or torch.cuda.get_device_capability(device)[0] == STAGED_CAPABILITY)
+    return _hopper(device)
 
 
 def _check_scales_finite(name: str, scales: torch.Tensor) -> None:
@@ -764,8 +767,9 @@ def _bf16_weights_dot(acc, w, a, STAGED: tl.constexpr, INTERPRET: tl.constexpr):
     Hopper too (no MX tensor cores there: it upcasts to BF16 for wgmma), because Triton
     3.6's pipeliner stages a ``tl.dot`` operand in shared memory asynchronously but not
     a ``dot_scaled`` one (even with formats "bf16"): that cost each step a store of the
-    activations through registers, a fence and a barrier, 1.36-1.40x the time at TP8
-    (benchmarks/NOTES.md, 2026-12-03 fourth lease). Else ``tl.dot_scaled``.
+    activations through registers, a fence and a barrier, 1.36x and 1.39x the time at
+    TP8, b = 65 and 256 (the probe's figures of the third and the fourth lease,
+    benchmarks/NOTES.md). Else ``tl.dot_scaled``.
 
     Triton's interpreter computes BF16 products as if FP16 (values past 65504 become
     Inf, subnormals 0), so there the same exact values go to an FP32 dot, which it sums
