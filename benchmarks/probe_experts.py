@@ -50,12 +50,15 @@ REF_DOWN = dict(BLOCK_M=16, BLOCK_N=128, A_BF16=0, num_warps=4, num_stages=3, ma
 # The "wgmma_decode" layout (the kernels decode the weights to BF16 themselves; BF16
 # activations only): its configs, probed over the same weights in that layout.
 # Most promising first (``--top``).
-UP_DECODE = ex.config_rows([
-    (16, 128, 1, 8, 3, 128), (16, 128, 1, 8, 4, 128), (16, 64, 1, 4, 4, 128),
-    (16, 64, 1, 4, 3, 128), (32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 4, 0)])
-DOWN_DECODE = ex.config_rows([
-    (16, 256, 1, 8, 3, 128), (16, 256, 1, 8, 4, 128), (16, 128, 1, 4, 4, 128),
-    (16, 128, 1, 4, 3, 0), (32, 256, 1, 8, 4, 128), (16, 128, 1, 8, 4, 96)])
+# On Hopper the layout runs staged (experts.staged_dot), so its configs may also set
+# experts.STAGED_KEYS: the shipped defaults lead, then the fifth lease's runners-up.
+UP_DECODE = [ex.DEFAULT_UP_STAGED, *ex.PRIORS_UP_STAGED, *(dict(c, MASK_ROWS=1) for c in
+             ex.config_rows([(16, 64, 1, 4, 3, 128), (16, 64, 1, 4, 4, 96),
+                             (16, 128, 1, 8, 3, 96), (32, 64, 1, 4, 3, 96)]))]
+DOWN_DECODE = [ex.DEFAULT_DOWN_STAGED, *ex.PRIORS_DOWN_STAGED, *(
+    dict(c, MASK_ROWS=1, COLS=k) for c, k in zip(ex.config_rows(
+        [(16, 128, 1, 4, 4, 128), (16, 128, 1, 4, 3, 96), (16, 64, 1, 4, 3, 96),
+         (16, 128, 1, 8, 3, 128)]), (4, 4, 8, 4)))]
 REF_UP_DECODE, REF_DOWN_DECODE = UP_DECODE[0], DOWN_DECODE[0]
 
 

@@ -10,7 +10,8 @@ in every weight layout and activation format, wide scale bytes) and compiles eac
 distinct specialization in a subprocess without TRITON_INTERPRET, with the launch's
 num_warps / num_stages / maxnreg and 16-byte alignment where the JIT would assume it,
 INTERPRET False (the kernels' GPU branch), and the experts' STAGED as each target's
-launch sets it (``experts.staged_dot``: sm_90 only). Triton's compiler here is 3.9, the H200
+launch sets it (``experts.staged_dot``: sm_90 only; elsewhere the STAGED_KEYS at their
+neutral values, as the wrapper demands there). Triton's compiler here is 3.9, the H200
 machine's 3.6: a pass here is evidence for 3.6, not proof.
 """
 import importlib
@@ -86,6 +87,12 @@ def launch_spec(fn, args, kwargs) -> dict:
             spec["signature"][name] = "fp32"
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(value)}")
+    staged = spec.get("per_target", {}).get("STAGED")
+    for name, neutral in ex.STAGED_KEYS.items():
+        if staged and name in spec["constexprs"]:  # off the staged path: launched neutral
+            value = spec["constexprs"][name]
+            spec["per_target"][name] = {c: value if on else neutral
+                                        for c, on in staged.items()}
     return spec
 
 

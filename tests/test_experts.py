@@ -118,7 +118,7 @@ def launch(q, q_scales, ids, inter, *, layout="wgmma", generation=0, order_seed=
         "a workspace row past b*K was written"
     assert torch.isnan(work.h_values[P:].float()).all(), "an h_values row past b*K was written"
     assert torch.isnan(work.q_values[b:].float()).all(), "a q_values row past b was written"
-    default_down = ex.DEFAULT_DOWN_DECODE if layout == "wgmma_decode" else ex.DEFAULT_DOWN
+    default_down = ex.tuning(layout, DEVICE).default_down
     if (config_down or default_down)["A_BF16"]:  # the BF16 hidden is the MXFP8 one's value
         h = mx.dequantize_mxfp8(work.h_codes[:P], work.h_scales[:P])
         assert torch.equal(work.h_values[:P].float(), h), "h_values differ from the hidden"
@@ -272,9 +272,10 @@ FAST_DOWN = dict(ex.DEFAULT_DOWN, BLOCK_N=256)
 
 
 def configs(a_bf16, wide=False, layout="wgmma"):
-    """(config_up, config_down): the defaults (or FAST_*) with these activation formats
-    (BF16 ones with the "wgmma_decode" layout, which takes no other)."""
-    up, down = (FAST_UP, FAST_DOWN) if wide else (ex.DEFAULT_UP, ex.DEFAULT_DOWN)
+    """(config_up, config_down): the layout's defaults here (or FAST_*) with these
+    activation formats (BF16 ones with the "wgmma_decode" layout, which takes no other)."""
+    t = ex.tuning(layout, DEVICE)
+    up, down = (FAST_UP, FAST_DOWN) if wide else (t.default_up, t.default_down)
     return for_layout(dict(up, A_BF16=a_bf16[0]), dict(down, A_BF16=a_bf16[1]), layout)
 
 
@@ -383,6 +384,28 @@ def test_config_and_layout_do_not_change_bits(case, inter, up, down, layout):
     up, down = for_layout(up, down, layout)
     other = launch(q, qs, ids, inter, layout=layout, config_up=up, config_down=down)
     assert base.same_bits(other), f"bits changed with {up}, {down}, layout {layout}"
+
+
+@settings(max_examples=FEW)
+@given(case=cases, inter=st.sampled_from(INTERS), cols=st.sampled_from([1, 2, 4, 8]),
+       block_n=st.sampled_from([64, 128]), mask_up=st.booleans(), mask_down=st.booleans())
+@example(case=("hot", 2 * BM + 1, 5), inter=128, cols=8, block_n=64, mask_up=True,
+         mask_down=True)
+def test_down_columns_and_masked_rows_keep_bits(case, inter, cols, block_n, mask_up,
+                                                mask_down):
+    """COLS column tiles a down program (more tiles than the matrix has included), and
+    padded activation rows masked rather than read (MASK_ROWS), give the bits of the
+    plain kernels."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    q, qs = make_plan(b, seed)
+    up = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0)
+    down = dict(BLOCK_M=16, BLOCK_N=block_n, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0)
+    one = launch(q, qs, ids, inter, layout="wgmma_decode", config_up=up, config_down=down)
+    many = launch(q, qs, ids, inter, layout="wgmma_decode",
+                  config_up=dict(up, MASK_ROWS=int(mask_up)),
+                  config_down=dict(down, COLS=cols, MASK_ROWS=int(mask_down)))
+    assert one.same_bits(many)
 
 
 def test_a_bf16_variants_are_bitwise_identical():
@@ -508,6 +531,18 @@ def test_decode_layout_refuses_e4m3_activations():
         with pytest.raises(ValueError, match=f"^{name}\\['A_BF16'\\] must be 1"):
             ex.experts(q.to(DEVICE), qs.to(DEVICE), prepared(32, "wgmma_decode"), counts,
                        pairs, gen, K, BETA, LINEAR_BETA, config_up=up, config_down=down)
+
+
+def test_columns_are_for_the_down_launch_only():
+    """COLS in config_up is a named error even where the staged path runs, and nothing
+    is written before it is raised."""
+    args, P, inter = _valid_args()
+    args["weights"] = prepared(inter, "wgmma_decode")
+    args["rows"] = poison(torch.empty(P, L, dtype=torch.bfloat16, device=DEVICE))
+    t = ex.tuning("wgmma_decode", DEVICE)
+    with pytest.raises(ValueError, match=r"^config_up\['COLS'\] is for the down launch"):
+        ex.experts(**args, config_up=dict(t.default_up, COLS=2), config_down=t.default_down)
+    assert torch.isnan(args["rows"].float()).all()
 
 
 def test_empty_batch_launches_nothing():
@@ -675,6 +710,12 @@ for _name, _make, _exc in [
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, BLOCK_N=48), ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, BLOCK_N=32), ValueError),
     ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, maxnreg=100), ValueError),
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, MASKROWS=1), ValueError),
+    ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, COLS=3), ValueError),
+    ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, MASK_ROWS=2), ValueError),
+    # the staged path's keys where the weights' layout does not run it
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, MASK_ROWS=1), ValueError),
+    ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, COLS=2), ValueError),
 ]:
     _BAD.append(pytest.param(_name, _make, _exc, id=f"{_name}-{len(_BAD)}"))
 

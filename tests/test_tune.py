@@ -238,6 +238,37 @@ def test_sweep_writes_table_report_and_resumes(monkeypatch, tmp_path):
     assert json.loads(out.read_text())["kernels"] == table["kernels"]
 
 
+class Drifting(Model):
+    """A Model whose "plain" configs other than the default are fast when first timed
+    and slow when timed again (the default: the same each time)."""
+
+    def __init__(self, seed):
+        super().__init__(seed, 0.0)
+        self.seen: set = set()
+
+    def time(self, case, config, rep=20):
+        if case.kernel != "plain":
+            return super().time(case, config, rep)
+        key = (case.b, tune._key(config))
+        again = key in self.seen
+        self.seen.add(key)
+        return 5.0 if config == case.default else (9.0 if again else 1.0 + config["X"] / 10)
+
+
+def test_sweep_keeps_the_default_where_the_final_timing_finds_it_faster(monkeypatch,
+                                                                        tmp_path):
+    """The paired timing at the end decides between the best and the default; the
+    reduction setting chosen for a shape is kept at every bucket."""
+    monkeypatch.setattr(tune, "_time_again", lambda: True)
+    out = sweep(monkeypatch, tmp_path, Drifting(4))
+    table = json.loads(out.read_text())
+    assert all(c == {"X": 0} for c in table["kernels"]["plain"]["S1"].values())
+    assert all(t["tuned"] == t["default"] == 5.0
+               for t in table["timings_us"]["plain"]["S1"].values())
+    front_entries = table["kernels"]["front"][front.shape_key(560, 7168)].values()
+    assert len({(c["BLOCK_K"], c["SPLIT_K"]) for c in front_entries}) == 1
+
+
 def test_sweep_time_limit_writes_what_is_done(monkeypatch, tmp_path):
     model = Model(4, 0.0)
     out = sweep(monkeypatch, tmp_path, model, "--time-limit", "1e-9", "--fresh")
@@ -281,7 +312,7 @@ def test_experts_cases_tune_the_layout_asked_for(layout, b):
     assert weights["prepared"].layout == layout
     got = {c.kernel: c for c in tune.cases(cfg, b, gen, weights)
            if c.kernel in (ex.KERNEL_UP, ex.KERNEL_DOWN)}
-    t = ex.tuning(layout)
+    t = ex.tuning(layout, weights["prepared"].device)
     assert got[ex.KERNEL_UP].shape.endswith(t.suffix) and got[ex.KERNEL_UP].shape == \
         got[ex.KERNEL_DOWN].shape
     assert got[ex.KERNEL_UP].default == t.default_up

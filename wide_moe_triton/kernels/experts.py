@@ -81,12 +81,28 @@ DEFAULT_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 0, "num_warps": 4, "num_st
               "maxnreg": 128}
 DEFAULT_DOWN = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
                 "maxnreg": 0}
-# With the "wgmma_decode" layout (BF16 activations only): the best of the H200 probe at
-# TP8, b = 65 and 256 (benchmarks/NOTES.md, fourth lease).
+# With the "wgmma_decode" layout (BF16 activations only) where the dot_scaled path runs
+# it (off Hopper): the best of the H200 probe at TP8, b = 65 and 256 before the staged
+# path (benchmarks/NOTES.md, fourth lease; not measured off Hopper).
 DEFAULT_UP_DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 1, "num_warps": 4,
                      "num_stages": 3, "maxnreg": 128}
 DEFAULT_DOWN_DECODE = {"BLOCK_M": 16, "BLOCK_N": 256, "A_BF16": 1, "num_warps": 8,
                        "num_stages": 3, "maxnreg": 128}
+# Keys only the staged path (``staged_dot``) takes, with the values that leave a launch
+# as it is without them (a config may omit them):
+# - MASK_ROWS 1: a tile's rows past the expert's count are zeros rather than reads of
+#   pair 0's activations; the copies stay asynchronous but cost instructions a step, so
+#   it pays where tiles are mostly padding (b = 65-256 at TP8), not at b = 1024.
+# - COLS (down launch only): column tiles a down program takes, their steps in one
+#   pipelined loop (``_down_columns``); at TP8 a tile is only I / BLOCK_K = 3 steps.
+STAGED_KEYS = {"MASK_ROWS": 0, "COLS": 1}
+# The staged path's defaults: the best of the H200 probe at TP8, b = 65 and 256
+# (benchmarks/NOTES.md, fifth lease): 358 + 174 µs at b = 65, 522 + 252 at 256, against
+# 409 + 247 and 542 + 377 for the fourth lease's (above, without the keys).
+DEFAULT_UP_STAGED = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 1, "num_warps": 4,
+                     "num_stages": 3, "maxnreg": 96, "MASK_ROWS": 1}
+DEFAULT_DOWN_STAGED = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 1, "num_warps": 4,
+                       "num_stages": 3, "maxnreg": 128, "MASK_ROWS": 1, "COLS": 4}
 # BLOCK_K is deliberately absent: it fixes the reduction order, so it is a function of
 # the shape only (``reduction_block``), never of the batch-width bucket.
 # The up and the down launch share one space (each its own copy).
@@ -129,6 +145,13 @@ PRIORS_UP_DECODE = config_rows([(32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 3, 128)
                                 (16, 64, 1, 4, 4, 128)])
 PRIORS_DOWN_DECODE = config_rows([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 128),
                                   (16, 128, 1, 4, 4, 128)])
+# The staged path's: the fifth lease's probe best at b = 1024 (32-row tiles, unmasked
+# rows not measured there) and runners-up at b = 65-256.
+PRIORS_UP_STAGED = [dict(c, MASK_ROWS=m) for c, m in zip(config_rows(
+    [(32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128), (16, 64, 1, 4, 3, 128)]), (0, 0, 1))]
+PRIORS_DOWN_STAGED = [dict(c, MASK_ROWS=m, COLS=k) for c, m, k in zip(config_rows(
+    [(32, 128, 1, 4, 3, 168), (32, 256, 1, 8, 3, 128), (16, 256, 1, 8, 3, 128)]),
+    (1, 1, 1), (4, 2, 2))]
 
 
 class Tuning(NamedTuple):
@@ -143,15 +166,23 @@ class Tuning(NamedTuple):
     priors_down: list
 
 
-def tuning(layout: str) -> Tuning:
-    """The sweep's configs for weights in ``layout``: "wgmma_decode" takes BF16
-    activations only, so its spaces are the others' configs with A_BF16 = 1."""
+def tuning(layout: str, device) -> Tuning:
+    """The sweep's configs for weights in ``layout`` on ``device``: "wgmma_decode" takes
+    BF16 activations only, so its spaces are the others' configs with A_BF16 = 1; where
+    it runs staged (``staged_dot``) they also range over STAGED_KEYS (and maxnreg 96)."""
     if layout != "wgmma_decode":
         return Tuning("", DEFAULT_UP, DEFAULT_DOWN, SPACE_UP, SPACE_DOWN, PRIORS_UP,
                       PRIORS_DOWN)
     bf16 = lambda configs: [c for c in configs if c["A_BF16"]]  # noqa: E731
-    return Tuning("_decode", DEFAULT_UP_DECODE, DEFAULT_DOWN_DECODE, bf16(SPACE_UP),
-                  bf16(SPACE_DOWN), PRIORS_UP_DECODE, PRIORS_DOWN_DECODE)
+    if not staged_dot(device):
+        return Tuning("_decode", DEFAULT_UP_DECODE, DEFAULT_DOWN_DECODE, bf16(SPACE_UP),
+                      bf16(SPACE_DOWN), PRIORS_UP_DECODE, PRIORS_DOWN_DECODE)
+    regs = [dict(c, maxnreg=r) for c in bf16(SPACE_UP) if c["maxnreg"] for r in (96, 128)]
+    regs += [c for c in bf16(SPACE_UP) if not c["maxnreg"]]
+    masked = [dict(c, MASK_ROWS=m) for c in regs for m in (0, 1)]
+    return Tuning("_decode", DEFAULT_UP_STAGED, DEFAULT_DOWN_STAGED, masked,
+                  [dict(c, COLS=k) for c in masked for k in (1, 2, 4)],
+                  PRIORS_UP_STAGED, PRIORS_DOWN_STAGED)
 
 # Preferred reduction steps (elements along L for up, along I for down); the step used is
 # the largest power of two <= this that divides the dimension.
@@ -791,8 +822,8 @@ def _bf16_as_f32(x):
 
 
 @triton.jit
-def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e, w_rows,
-            K: tl.constexpr, A_BF16: tl.constexpr, DECODE: tl.constexpr,
+def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows,
+            K: tl.constexpr, MASK_ROWS: tl.constexpr, A_BF16: tl.constexpr, DECODE: tl.constexpr,
             STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
             ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -801,8 +832,9 @@ def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e, w_rows,
     activations, gathered by ``act_rows`` (codes_ptr/scales_ptr: MXFP8; values_ptr: their
     BF16 values, the only ones DECODE takes). STAGED: DECODE on Hopper (``staged_dot``)."""
     if STAGED:
-        acc = _reduce_staged(acc, values_ptr, act_rows, w_e, ws_e, w_rows, K, WIDE_SCALES,
-                             INTERPRET, ROW_BLOCK, BLOCK_N, BLOCK_K, NUM_STAGES)
+        acc = _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K,
+                             MASK_ROWS, WIDE_SCALES, INTERPRET, ROW_BLOCK, BLOCK_N, BLOCK_K,
+                             NUM_STAGES)
     else:
         acc = _reduce_prefetched(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e,
                                  w_rows, K, A_BF16, DECODE, WIDE_SCALES, INTERPRET,
@@ -811,8 +843,8 @@ def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e, w_rows,
 
 
 @triton.jit
-def _reduce_staged(acc, values_ptr, act_rows, w_e, ws_e, w_rows, K: tl.constexpr,
-                   WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+def _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K: tl.constexpr,
+                   MASK_ROWS: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
                    ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    NUM_STAGES: tl.constexpr):
     """``_reduce`` for "wgmma_decode" weights: both operands of each step loaded in that
@@ -823,11 +855,24 @@ def _reduce_staged(acc, values_ptr, act_rows, w_e, ws_e, w_rows, K: tl.constexpr
     transposed, a view): no store of theirs through registers, no fence a step."""
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(values_ptr + act_rows[:, None] * K + k[None, :])
+        a = _staged_activations(values_ptr, act_rows, act_ok, k0, K, MASK_ROWS, BLOCK_K)
         w = _decoded_weights(w_e, ws_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
                              WIDE_SCALES, INTERPRET)
         acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
     return acc
+
+
+@triton.jit
+def _staged_activations(values_ptr, rows, ok, k0, cols, MASK_ROWS: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """BF16 activations [M, BLOCK_K] of rows ``rows`` of a [*, cols] matrix, columns k0 ..;
+    with MASK_ROWS the rows not ``ok`` are zeros, not read (the copy stays asynchronous)."""
+    ptrs = values_ptr + rows[:, None] * cols + (k0 + tl.arange(0, BLOCK_K))[None, :]
+    if MASK_ROWS:
+        a = tl.load(ptrs, mask=ok[:, None], other=0.0)
+    else:
+        a = tl.load(ptrs)
+    return a
 
 
 @triton.jit
@@ -872,7 +917,7 @@ def _experts_up_kernel(
         ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
         STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr):
+        NUM_STAGES: tl.constexpr, MASK_ROWS: tl.constexpr):
     """Program (e, j): hidden columns j*BLOCK_N .. of every pair listed for expert e,
     h = mxfp8(situ(W13_gate q, W13_up q)), stored at the pair's workspace row (and its
     exact BF16 values too, when STORE_VALUES). A_BF16: the activations are the plan's
@@ -894,7 +939,7 @@ def _experts_up_kernel(
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
         acc = _reduce(tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32), q_ptr, qs_ptr, qv_ptr,
-                      pair // TOP_K, w_e, ws_e, rows, LATENT, A_BF16, DECODE, STAGED,
+                      pair // TOP_K, m_ok, w_e, ws_e, rows, LATENT, MASK_ROWS, A_BF16, DECODE, STAGED,
                       WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N, BLOCK_K,
                       NUM_STAGES)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
@@ -918,25 +963,66 @@ def _experts_down_kernel(
         ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
         STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr):
+        NUM_STAGES: tl.constexpr, COLS: tl.constexpr, MASK_ROWS: tl.constexpr):
     """Program (e, j): latent columns j*BLOCK_N .. of every pair listed for expert e,
     rows[p] = bf16(W2_e h[p]), from the MXFP8 hidden in the workspace (its BF16 values
-    when A_BF16; DECODE as in the up kernel)."""
+    when A_BF16; DECODE as in the up kernel). COLS > 1 (STAGED only): program (e, g)
+    takes the COLS column tiles g*COLS .. (``_down_columns``)."""
     e = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < LATENT
-    n_in = _clamped(n, LATENT)
+    if COLS > 1:
+        _down_columns(h_ptr, hv_ptr, counts_ptr, pairs_ptr, generation_ptr, w_ptr, ws_ptr,
+                      rows_ptr, e, tl.program_id(1) * COLS, num_experts, wide_rows, LATENT,
+                      INTER, ROW_BLOCK, WIDE_SCALES, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
+                      NUM_STAGES, COLS, MASK_ROWS)
+    else:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < LATENT
+        n_in = _clamped(n, LATENT)
+        count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
+                                          num_experts, wide_rows)
+        w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // (8 if DECODE else 2))
+        ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
+        for m0 in range(0, count, BLOCK_M):
+            pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
+            acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr,
+                          pair, m_ok, w_e, ws_e, n_in, INTER, MASK_ROWS, A_BF16, DECODE, STAGED, WIDE_SCALES,
+                          INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES)
+            tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
+                     f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_columns(h_ptr, hv_ptr, counts_ptr, pairs_ptr, generation_ptr, w_ptr, ws_ptr,
+                  rows_ptr, e, j0, num_experts, wide_rows, LATENT: tl.constexpr,
+                  INTER: tl.constexpr, ROW_BLOCK: tl.constexpr, WIDE_SCALES: tl.constexpr,
+                  INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, COLS: tl.constexpr,
+                  MASK_ROWS: tl.constexpr):
+    """The down launch's columns j0*BLOCK_N .. (j0+COLS)*BLOCK_N of expert e ("wgmma_decode"
+    weights, staged): the steps of the COLS column tiles in one pipelined loop, so that
+    the copies of the next tile's first steps overlap this tile's last, and the list walk
+    and pipeline fill are paid once for COLS tiles (I / BLOCK_K is only 3 steps a tile at
+    TP8). Each row's sum runs over the same steps in the same order as with COLS = 1."""
+    STEPS: tl.constexpr = INTER // BLOCK_K
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
                                       num_experts, wide_rows)
-    w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // (8 if DECODE else 2))
+    w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // 8)
     ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-        acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr, pair,
-                      w_e, ws_e, n_in, INTER, A_BF16, DECODE, STAGED, WIDE_SCALES,
-                      INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES)
-        tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
-                 f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & n_ok[None, :])
+        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+        for it in tl.range(0, COLS * STEPS, num_stages=NUM_STAGES):
+            n = (j0 + it // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
+            k0 = (it % STEPS) * BLOCK_K
+            a = _staged_activations(hv_ptr, pair, m_ok, k0, INTER, MASK_ROWS, BLOCK_K)
+            w = _decoded_weights(w_e, ws_e, _clamped(n, LATENT), k0, INTER, BLOCK_N, BLOCK_K,
+                                 ROW_BLOCK, WIDE_SCALES, INTERPRET)
+            acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
+            if it % STEPS == STEPS - 1:
+                tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
+                         f32_to_bf16_bits(tl.trans(acc)),
+                         mask=m_ok[:, None] & (n < LATENT)[None, :])
+                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
 
 
 @triton.jit
@@ -963,6 +1049,10 @@ def _check_config(name: str, config: dict) -> dict:
     missing = [k for k in CONFIG_KEYS if k not in config]
     if missing:
         raise ValueError(f"{name} lacks {missing}")
+    unknown = [k for k in config if k not in CONFIG_KEYS and k not in STAGED_KEYS]
+    if unknown:
+        raise ValueError(f"{name} has unknown keys {unknown} (known: "
+                         f"{[*CONFIG_KEYS, *STAGED_KEYS]})")
     m, n = config["BLOCK_M"], config["BLOCK_N"]
     if m < 16 or m & (m - 1):
         raise ValueError(f"{name}['BLOCK_M'] must be a power of two >= 16, got {m}")
@@ -972,9 +1062,25 @@ def _check_config(name: str, config: dict) -> dict:
     if config["maxnreg"] not in (0, *range(24, 256, 8)):
         raise ValueError(f"{name}['maxnreg'] must be 0 (no cap) or a multiple of 8 in "
                          f"[24, 248], got {config['maxnreg']}")
+    cols = config.get("COLS", 1)
+    if not isinstance(cols, int) or cols < 1 or cols & (cols - 1):
+        raise ValueError(f"{name}['COLS'] must be a power of two >= 1, got {cols!r}")
+    if config.get("MASK_ROWS", 0) not in (0, 1):
+        raise ValueError(f"{name}['MASK_ROWS'] must be 0 or 1, got {config['MASK_ROWS']!r}")
     if config["A_BF16"] not in (0, 1):
         raise ValueError(f"{name}['A_BF16'] must be 0 or 1, got {config['A_BF16']}")
     return config
+
+
+def _check_staged_keys(name: str, config: dict, staged: bool, has_cols: bool) -> None:
+    """STAGED_KEYS away from their neutral values only where a launch takes them."""
+    set_keys = [k for k, v in STAGED_KEYS.items() if config.get(k, v) != v]
+    if set_keys and not staged:
+        raise ValueError(f"{name} sets {set_keys}, which only 'wgmma_decode' weights on "
+                         f"Hopper take (experts.staged_dot)")
+    if "COLS" in set_keys and not has_cols:
+        raise ValueError(f"{name}['COLS'] is for the down launch only, got "
+                         f"{config['COLS']}")
 
 
 def _check_decode_config(name: str, config: dict) -> None:
@@ -1049,8 +1155,9 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
 
     rows: the output buffer (BF16 [b*K, L]), allocated if None. workspace: the buffers
     between the stages (``make_workspace`` for >= b tokens), allocated if None; pass both
-    for CUDA graphs. config_up/config_down: launch configs (``CONFIG_KEYS``), else the
-    tuned ones for batch width b. The reduction steps are the weights'
+    for CUDA graphs. config_up/config_down: launch configs (``CONFIG_KEYS``; on the staged
+    path also ``STAGED_KEYS``, COLS for the down launch only), else the tuned ones for
+    batch width b. The reduction steps are the weights'
     (``prepare_weights``)."""
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be an ExpertWeights (from prepare_weights), got "
@@ -1076,7 +1183,7 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         workspace = make_workspace(b, top_k, L, inter, device)
     ws = _check_workspace(workspace, b, top_k, L, inter, device)
     decode = weights.layout == "wgmma_decode"
-    tune = tuning(weights.layout)
+    tune = tuning(weights.layout, device)
     key = shape_key(L, inter, E) + tune.suffix
     cfg_up = _check_config("config_up", config_up if config_up is not None else
                            config_for(KERNEL_UP, key, b, tune.default_up, device))
@@ -1085,12 +1192,15 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
     if decode:
         _check_decode_config("config_up", cfg_up)
         _check_decode_config("config_down", cfg_down)
+    staged = decode and staged_dot(device)
+    _check_staged_keys("config_up", cfg_up, staged, has_cols=False)
+    _check_staged_keys("config_down", cfg_down, staged, has_cols=True)
     if num_pairs == 0:
         return rows
     if cfg_up["A_BF16"]:
         _plan_values(q, q_scales, ws.q_values)
     tiles = dict(ROW_BLOCK=weights.row_block, WGMMA_ORDER=weights.layout in TILED_LAYOUTS,
-                 DECODE=decode, STAGED=decode and staged_dot(device),
+                 DECODE=decode, STAGED=staged,
                  INTERPRET=_interpreting())
     codes = (lambda t: t.view(torch.int32)) if decode else (lambda t: t)
     _experts_up_kernel[(E, triton.cdiv(inter, cfg_up["BLOCK_N"]))](
@@ -1102,13 +1212,15 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         A_BF16=cfg_up["A_BF16"], STORE_VALUES=cfg_down["A_BF16"], **tiles,
         WIDE_SCALES=weights.wide_scales_up,
         BLOCK_M=cfg_up["BLOCK_M"], BLOCK_N=cfg_up["BLOCK_N"], BLOCK_K=weights.block_k_up,
-        NUM_STAGES=cfg_up["num_stages"], **_launch_options(cfg_up))
-    _experts_down_kernel[(E, triton.cdiv(L, cfg_down["BLOCK_N"]))](
+        NUM_STAGES=cfg_up["num_stages"], MASK_ROWS=cfg_up.get("MASK_ROWS", 0),
+        **_launch_options(cfg_up))
+    cols = cfg_down.get("COLS", 1)
+    _experts_down_kernel[(E, triton.cdiv(triton.cdiv(L, cfg_down["BLOCK_N"]), cols))](
         ws.h_codes, ws.h_scales, ws.h_values, counts, pairs, generation, codes(weights.w2),
         weights.w2_scales, rows.view(torch.int16), E, wide_rows,
         LATENT=L, INTER=inter, A_BF16=cfg_down["A_BF16"], **tiles,
         WIDE_SCALES=weights.wide_scales_down,
         BLOCK_M=cfg_down["BLOCK_M"], BLOCK_N=cfg_down["BLOCK_N"],
-        BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"],
-        **_launch_options(cfg_down))
+        BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"], COLS=cols,
+        MASK_ROWS=cfg_down.get("MASK_ROWS", 0),        **_launch_options(cfg_down))
     return rows
