@@ -5,9 +5,9 @@
 
 Compiles the up and down kernels ahead of time with Triton 3.6 for sm_90 at TP8
 production dims (L 3584, I 384, BLOCK_K as prepare_weights sets it) at DEFAULT_UP /
-DEFAULT_DOWN (A_BF16 0 and 1; 1 only for "wgmma_decode"), pointers specialized 16-aligned
-as the JIT does, and prints registers, stack (spills), the ttgir's local_alloc /
-convert_layout counts and the SASS histogram of the smallest loop holding HGMMA, per
+DEFAULT_DOWN (A_BF16 0 and 1; for "wgmma_decode" the staged path's defaults, A_BF16 1),
+pointers specialized 16-aligned as the JIT does, and prints registers, stack (spills),
+the ttgir's local_alloc / convert_layout counts and the SASS histogram of the smallest loop holding HGMMA, per
 weight element a thread decodes an iteration (loop instructions x threads / elements)."""
 import collections
 import os
@@ -51,7 +51,8 @@ def compile_kernel(kind, cfg, layout="wgmma"):
         sig["w_ptr"] = "*i32"
     const.update(DECODE=dec, STAGED=dec, WIDE_SCALES=WIDE, INTERPRET=False)  # sm_90: staged_dot
     const.update(ROW_BLOCK=64, WGMMA_ORDER=True, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                 NUM_STAGES=cfg["num_stages"])
+                 NUM_STAGES=cfg["num_stages"],
+                 **{k: cfg.get(k, v) for k, v in ex.STAGED_KEYS.items()})
     const.update(ex._layout_constexprs(layout) if hasattr(ex, "_layout_constexprs") else {})
     for k in list(const):
         if k not in fn.arg_names:
@@ -131,6 +132,8 @@ def report(kind, cfg, layout="wgmma", show=False):
 if __name__ == "__main__":
     layouts = sys.argv[1:] or ["wgmma"]
     for layout in layouts:
-        for kind, cfg in (("up", ex.DEFAULT_UP), ("down", ex.DEFAULT_DOWN)):
+        defaults = ((ex.DEFAULT_UP_STAGED, ex.DEFAULT_DOWN_STAGED) if layout == "wgmma_decode"
+                    else (ex.DEFAULT_UP, ex.DEFAULT_DOWN))
+        for kind, cfg in zip(("up", "down"), defaults):
             for a in ((1,) if layout == "wgmma_decode" else (0, 1)):
                 report(kind, dict(cfg, A_BF16=a), layout)

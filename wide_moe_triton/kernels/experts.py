@@ -563,7 +563,8 @@ def _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e, num_experts, wide_
 def _load_pairs(list_ptr, m0, count, BLOCK_M: tl.constexpr):
     """(pair ids int64 [BLOCK_M], row mask) of list entries m0 .. m0+BLOCK_M-1. Rows past
     the count read pair 0: a valid row whose results are never stored, so the operand
-    loads need no mask."""
+    loads need no mask (the staged path's MASK_ROWS masks them all the same, to spare
+    the reads)."""
     m = m0 + tl.arange(0, BLOCK_M)
     ok = m < count
     pair = tl.load(list_ptr + m, mask=ok, other=0)
@@ -700,8 +701,7 @@ def _weight_scales(s_ptr, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
 @triton.jit
 def _clamped(n, count):
     """Row indices ``n`` with those past ``count`` rows replaced by the last row: their
-    results are never stored, and unmasked loads are the ones the compiler can issue
-    asynchronously, several iterations ahead (a masked load with a fill value is not)."""
+    results are never stored, so their loads need no mask (none to compute a step)."""
     return tl.minimum(n, count - 1)
 
 
@@ -823,14 +823,15 @@ def _bf16_as_f32(x):
 
 @triton.jit
 def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows,
-            K: tl.constexpr, MASK_ROWS: tl.constexpr, A_BF16: tl.constexpr, DECODE: tl.constexpr,
-            STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
-            ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+            K: tl.constexpr, MASK_ROWS: tl.constexpr, A_BF16: tl.constexpr,
+            DECODE: tl.constexpr, STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr,
+            INTERPRET: tl.constexpr, ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
     """acc + W[w_rows, :] @ A[act_rows, :].T over the whole reduction (K elements) in
     steps of BLOCK_K, in order: W the expert matrix at w_e/ws_e (codes, scales), A the
     activations, gathered by ``act_rows`` (codes_ptr/scales_ptr: MXFP8; values_ptr: their
-    BF16 values, the only ones DECODE takes). STAGED: DECODE on Hopper (``staged_dot``)."""
+    BF16 values, the only ones DECODE takes). STAGED: DECODE on Hopper (``staged_dot``),
+    where MASK_ROWS reads only the activation rows ``act_ok`` (zeros for the others)."""
     if STAGED:
         acc = _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K,
                              MASK_ROWS, WIDE_SCALES, INTERPRET, ROW_BLOCK, BLOCK_N, BLOCK_K,
@@ -854,7 +855,6 @@ def _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K: tl.c
     there, and the activation rows feed the MMA straight from shared memory (read
     transposed, a view): no store of theirs through registers, no fence a step."""
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        k = k0 + tl.arange(0, BLOCK_K)
         a = _staged_activations(values_ptr, act_rows, act_ok, k0, K, MASK_ROWS, BLOCK_K)
         w = _decoded_weights(w_e, ws_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
                              WIDE_SCALES, INTERPRET)
@@ -939,9 +939,9 @@ def _experts_up_kernel(
     for m0 in range(0, count, BLOCK_M):
         pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
         acc = _reduce(tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32), q_ptr, qs_ptr, qv_ptr,
-                      pair // TOP_K, m_ok, w_e, ws_e, rows, LATENT, MASK_ROWS, A_BF16, DECODE, STAGED,
-                      WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N, BLOCK_K,
-                      NUM_STAGES)
+                      pair // TOP_K, m_ok, w_e, ws_e, rows, LATENT, MASK_ROWS, A_BF16, DECODE,
+                      STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
+                      BLOCK_K, NUM_STAGES)
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
         h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
         codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
@@ -985,8 +985,9 @@ def _experts_down_kernel(
         for m0 in range(0, count, BLOCK_M):
             pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
             acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr,
-                          pair, m_ok, w_e, ws_e, n_in, INTER, MASK_ROWS, A_BF16, DECODE, STAGED, WIDE_SCALES,
-                          INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES)
+                          pair, m_ok, w_e, ws_e, n_in, INTER, MASK_ROWS, A_BF16, DECODE,
+                          STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N,
+                          BLOCK_K, NUM_STAGES)
             tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
                      f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & n_ok[None, :])
 
