@@ -252,7 +252,7 @@ class ExpertWeights:
     block_k_down: int
     row_block: int
     # Any scale byte above 128 in w13_scales / w2_scales: the decode then multiplies
-    # twice (``_scale_factors``), since 2**(s - 1) overflows BF16 past s = 128.
+    # twice (``_scale_exponents``), since 2**(s - 1) overflows BF16 past s = 128.
     wide_scales_up: bool = True
     wide_scales_down: bool = True
 
@@ -620,45 +620,56 @@ def _bf16_pairs(w):
 
 
 @triton.jit
-def _halves(pairs, INTERPRET: tl.constexpr):
-    """The BF16 values [..., 2] (low half, high half) of uint32 pairs [...] (FP32 when
-    INTERPRET: Triton's interpreter computes BF16 products wrongly and flushes BF16
-    subnormals; FP32 holds the same values, and their products as exactly)."""
-    if INTERPRET:
-        lo = (pairs << 16).to(tl.float32, bitcast=True)
-        hi = (pairs & 0xFFFF0000).to(tl.float32, bitcast=True)
-    else:
-        lo = (pairs & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        hi = (pairs >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return tl.join(lo, hi)
-
-
-@triton.jit
-def _power_of_two(biased, INTERPRET: tl.constexpr):
-    """2**(biased - 127) for int32 ``biased`` in 1..254: BF16 (FP32 when INTERPRET)."""
-    # One return: Triton's compiler (3.6 and 3.9) goes on past a taken constexpr branch
-    # that returned and types the next return too; the interpreter never does.
-    if INTERPRET:
-        factor = (biased << 23).to(tl.float32, bitcast=True)
-    else:
-        factor = (biased << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return factor
-
-
-@triton.jit
-def _scale_factors(scales, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr):
-    """Factors (f1, f2) [...] of E8M0 scale bytes s [...] with f1 * f2 = 2**(s - 1), the
-    factor that turns a decoded value * 2**-126 into value * 2**(s - 127); each a power
-    of two in BF16's range, so both products are exact. Without WIDE_SCALES every s is
-    <= 128 (``prepare_weights`` checked) and f2 is not needed (returned as f1)."""
-    s = scales.to(tl.int32)
+def _scale_exponents(scales, WIDE_SCALES: tl.constexpr):
+    """Biased exponents (e1, e2) [...] of E8M0 scale bytes s [...]: 2**(e1 - 127) *
+    2**(e2 - 127) = 2**(s - 1), the factor that turns a decoded value * 2**-126 into
+    value * 2**(s - 127). Each factor a power of two in BF16's range, so both products
+    are exact. Without WIDE_SCALES every s is <= 128 (``prepare_weights`` checked) and
+    one factor does it (e2 returned as e1, unused)."""
+    s = scales.to(tl.uint32)
     if WIDE_SCALES:
-        f1 = _power_of_two(tl.minimum(s, 128) + 126, INTERPRET)
-        f2 = _power_of_two(tl.maximum(s, 128) - 1, INTERPRET)
+        e1 = tl.minimum(s, 128) + 126
+        e2 = tl.maximum(s, 128) - 1
     else:
-        f1 = _power_of_two(s + 126, INTERPRET)
-        f2 = f1
-    return f1, f2
+        e1 = s + 126
+        e2 = e1
+    return e1, e2
+
+
+@triton.jit
+def _scaled_pairs(pairs, e1, e2, WIDE_SCALES: tl.constexpr):
+    """BF16 values (low, high) [...] of BF16 pairs [...] (uint32) times 2**(e1 - 127)
+    (and 2**(e2 - 127)), e1/e2 [...]: one multiply a pair, whose product stays in the
+    register the tensor cores take it from (Triton's BF16 multiply of the halves would
+    split each pair and pack it again: 3 byte permutes a word)."""
+    f1 = (e1 << 7) | (e1 << 23)
+    if WIDE_SCALES:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mul.rn.bf16x2 t, t, $4; "
+            "mov.b32 {$0, $1}, t; }", "=h,=h,r,r,r", [pairs, f1, (e2 << 7) | (e2 << 23)],
+            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            "{ .reg .b32 t; mul.rn.bf16x2 t, $2, $3; mov.b32 {$0, $1}, t; }", "=h,=h,r,r",
+            [pairs, f1], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return lo, hi
+
+
+@triton.jit
+def _scaled_pairs_interpreted(pairs, e1, e2, WIDE_SCALES: tl.constexpr):
+    """``_scaled_pairs`` in Triton's interpreter, which runs no PTX, computes BF16
+    products wrongly and flushes BF16 subnormals: the same exact values in FP32, then
+    their BF16 bits (the FP32 values are BF16 ones: their top halves)."""
+    lo = (pairs << 16).to(tl.float32, bitcast=True)
+    hi = (pairs & 0xFFFF0000).to(tl.float32, bitcast=True)
+    lo = lo * (e1 << 23).to(tl.float32, bitcast=True)
+    hi = hi * (e1 << 23).to(tl.float32, bitcast=True)
+    if WIDE_SCALES:
+        lo = lo * (e2 << 23).to(tl.float32, bitcast=True)
+        hi = hi * (e2 << 23).to(tl.float32, bitcast=True)
+    lo = (lo.to(tl.uint32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    hi = (hi.to(tl.uint32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
 
 
 @triton.jit
@@ -677,15 +688,17 @@ def _decoded_weights(w_ptr, s_ptr, rows, k0, K: tl.constexpr, BLOCK_N: tl.conste
     chunk = _row_chunks(rows, k0, K // 8, BLOCK_K // 8, ROW_BLOCK, BLOCK_K)
     w = tl.load(w_ptr + chunk[:, None, None] + q * WORDS + i).to(tl.uint32, bitcast=True)
     p0, p1, p2, p3 = _bf16_pairs(w)  # [BLOCK_N, WORDS, 4]
-    # [.., 4 (q), 2, 2 (pair), 2 (half)]
-    v = _halves(tl.join(tl.join(p0, p2), tl.join(p1, p3)), INTERPRET)
-    f1, f2 = _scale_factors(_weight_scales(s_ptr, rows, k0, K, BLOCK_K, ROW_BLOCK),
-                            WIDE_SCALES, INTERPRET)
-    v = v * f1[:, :, None, None, None, None]
-    if WIDE_SCALES:
-        v = v * f2[:, :, None, None, None, None]
-    if INTERPRET:  # the FP32 values are exact BF16 ones: their top halves are those bits
-        v = (v.to(tl.uint32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [.., 4 (q), 2, 2 (pair)]
+    # One scale a word: its exponents broadcast over the word's pairs.
+    e1, e2 = _scale_exponents(_weight_scales(s_ptr, rows, k0, K, BLOCK_K, ROW_BLOCK),
+                              WIDE_SCALES)
+    e1 = tl.broadcast_to(e1[:, :, None, None, None], pairs.shape)
+    e2 = tl.broadcast_to(e2[:, :, None, None, None], pairs.shape)
+    if INTERPRET:
+        lo, hi = _scaled_pairs_interpreted(pairs, e1, e2, WIDE_SCALES)
+    else:
+        lo, hi = _scaled_pairs(pairs, e1, e2, WIDE_SCALES)
+    v = tl.join(lo, hi)  # [.., 2 (half)]
     return tl.reshape(tl.permute(v, (0, 1, 3, 4, 2, 5)), (BLOCK_N, BLOCK_K))
 
 
