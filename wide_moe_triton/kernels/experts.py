@@ -641,7 +641,8 @@ def _scaled_pairs(pairs, e1, e2, WIDE_SCALES: tl.constexpr):
     """BF16 values (low, high) [...] of BF16 pairs [...] (uint32) times 2**(e1 - 127)
     (and 2**(e2 - 127)), e1/e2 [...]: one multiply a pair, whose product stays in the
     register the tensor cores take it from (Triton's BF16 multiply of the halves would
-    split each pair and pack it again: 3 byte permutes a word)."""
+    split each pair and pack it again: 3 byte permutes a word). ``mul.rn.bf16x2`` needs
+    sm_90 or newer: the "wgmma_decode" layout's GPUs (H200, B200)."""
     f1 = (e1 << 7) | (e1 << 23)
     if WIDE_SCALES:
         lo, hi = tl.inline_asm_elementwise(
