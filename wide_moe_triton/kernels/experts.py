@@ -59,6 +59,7 @@ streams faster is measured.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import torch
@@ -169,12 +170,18 @@ class Tuning(NamedTuple):
 def tuning(layout: str, device) -> Tuning:
     """The sweep's configs for weights in ``layout`` on ``device``: "wgmma_decode" takes
     BF16 activations only, so its spaces are the others' configs with A_BF16 = 1; where
-    it runs staged (``staged_dot``) they also range over STAGED_KEYS (and maxnreg 96)."""
+    it runs staged (``staged_dot``) they also range over STAGED_KEYS (and maxnreg 96).
+    Built once per (layout, staged), shared: ``experts`` asks for it on every call."""
+    return _tuning(layout, layout == "wgmma_decode" and staged_dot(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _tuning(layout: str, staged: bool) -> Tuning:
     if layout != "wgmma_decode":
         return Tuning("", DEFAULT_UP, DEFAULT_DOWN, SPACE_UP, SPACE_DOWN, PRIORS_UP,
                       PRIORS_DOWN)
     bf16 = lambda configs: [c for c in configs if c["A_BF16"]]  # noqa: E731
-    if not staged_dot(device):
+    if not staged:
         return Tuning("_decode", DEFAULT_UP_DECODE, DEFAULT_DOWN_DECODE, bf16(SPACE_UP),
                       bf16(SPACE_DOWN), PRIORS_UP_DECODE, PRIORS_DOWN_DECODE)
     regs = [dict(c, maxnreg=r) for c in bf16(SPACE_UP) if c["maxnreg"] for r in (96, 128)]
