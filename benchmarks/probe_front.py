@@ -1,6 +1,7 @@
 """Front GEMM and finalize launch configs at TP8 on this GPU: checked, then timed.
 
-    python benchmarks/probe_front.py [--batches 65 128 256 512 1024] [--skip-finalize]
+    python benchmarks/probe_front.py [--batches 65 128 256 512 1024] [--keys 128/4 128/7]
+                                     [--skip-finalize]
 
 Front (N560_H7168, x [b, 7168] @ packed[560, 7168].T, FP32 out): for each reduction key
 (BLOCK_K, SPLIT_K) a short list of layouts (tiles, SPLIT_GRID, GROUP, warps, stages)
@@ -11,9 +12,9 @@ is timed with CUDA-graph medians over 16 rotating copies of the weights (as
 ``bench_layer.py`` times its torch.mm row: ``torch.mm(x, w.t(), out_dtype=float32)``,
 8 MB of weights that must not sit in L2). Finalize (L3584_K16): configs of its SPACE,
 each bitwise-checked against ``reference.finalize``, beside its floor (bytes over the
-copy bandwidth measured at the start). The last table: per reduction key, the best
-front time per b and the worst ratio to torch.mm over the b's (the keys are fixed
-across b); then finalize's best per b over its floor.
+copy bandwidth measured at the start) and a device copy moving as many bytes. The last
+table: per reduction key, the best front time per b and the worst ratio to torch.mm
+over the b's (the keys are fixed across b); then finalize's best per b over its floor.
 """
 
 from __future__ import annotations
@@ -49,9 +50,18 @@ def layouts(b: int) -> list[dict]:
     if b <= 256:
         return [lay(64, 64, 1, 1, 4, 4), lay(64, 64, 1, 2, 4, 4), lay(128, 64, 1, 1, 4, 4),
                 lay(64, 64, 0, 1, 4, 4)]
+    # 256-row batch tiles (two stages fit): x, re-read from L2 once a weight tile, is the
+    # bulk of the L2 traffic at b = 1024 (14.7 MB times cdiv(560, BLOCK_N)); slower on
+    # the H200 all the same (benchmarks/NOTES.md, sixth lease).
     return [lay(128, 64, 1, 1, 4, 4), lay(128, 64, 1, 2, 4, 4), lay(128, 64, 0, 1, 8, 4),
             lay(128, 128, 1, 1, 8, 3), lay(128, 128, 1, 2, 8, 3), lay(128, 128, 0, 1, 8, 3),
-            lay(64, 64, 0, 1, 4, 4)]
+            lay(64, 64, 0, 1, 4, 4), lay(256, 64, 1, 1, 4, 2), lay(256, 64, 1, 2, 4, 2),
+            lay(256, 128, 1, 1, 8, 2), lay(256, 128, 0, 1, 8, 2),
+            # two programs a SM (at most 113 KB of pipeline each)
+            lay(128, 64, 1, 1, 4, 2), lay(128, 64, 1, 2, 4, 2), lay(128, 64, 1, 2, 8, 2),
+            lay(64, 64, 1, 1, 4, 3), lay(64, 64, 1, 2, 4, 3), lay(64, 128, 1, 2, 8, 2),
+            lay(64, 64, 1, 1, 4, 2), lay(64, 64, 1, 2, 4, 2), lay(64, 64, 1, 4, 4, 2),
+            lay(128, 64, 1, 4, 4, 2), lay(128, 64, 0, 1, 4, 2), lay(128, 128, 1, 2, 8, 2)]
 
 
 def effective(cfg: dict) -> tuple:
@@ -86,7 +96,9 @@ def probe_front(batches, gen) -> tuple[dict, dict]:
     """({(key, b): (best µs, its config)}, {b: torch.mm µs})."""
     packed = (torch.randn(N, H, generator=gen, device="cuda") * H ** -0.5).bfloat16()
     copies = [packed.clone() for _ in range(16)]
-    xs = {b: torch.randn(b, H, generator=gen, device="cuda").bfloat16() for b in batches}
+    # Every width's x is a prefix of one draw, so that row 0 is the same input at each b.
+    x_all = torch.randn(max(batches), H, generator=gen, device="cuda").bfloat16()
+    xs = {b: x_all[:b].contiguous() for b in batches}
     ws = torch.empty(8 * max(batches) * N, dtype=torch.float32, device="cuda")
     best, mm = {}, {}
     for b in batches:
@@ -133,7 +145,7 @@ def finalize_configs(b: int) -> list[dict]:
 
 
 def probe_finalize(batches, gen, bw) -> dict:
-    """{b: (best µs, config, floor µs)}."""
+    """{b: (best µs, config, floor µs, µs of a copy moving as many bytes)}."""
     best = {}
     for b in batches:
         rows = torch.randn(b * K, L, generator=gen, device="cuda").bfloat16()
@@ -150,8 +162,14 @@ def probe_finalize(batches, gen, bw) -> dict:
             us = bench(lambda: fin.finalize(rows, weights, out=out, config=cfg))
             if b not in best or us < best[b][0]:
                 best[b] = (us, cfg, floor)
-        print(f"finalize b={b:5d} best {best[b][0]:.2f} us {best[b][1]} floor {floor:.2f} us",
-              flush=True)
+        # A copy that moves as many bytes (half read, half written): how near its floor
+        # a transfer this small gets at all.
+        src = torch.empty(int(floor * bw * 1e-6) // 2, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        copy_us = bench(lambda: dst.copy_(src))
+        best[b] = (*best[b], copy_us)
+        print(f"finalize b={b:5d} best {best[b][0]:.2f} us {best[b][1]} floor {floor:.2f} us; "
+              f"a copy of as many bytes {copy_us:.2f} us", flush=True)
     return best
 
 
@@ -159,7 +177,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[65, 128, 256, 512, 1024])
     p.add_argument("--skip-finalize", action="store_true")
+    p.add_argument("--keys", nargs="+", default=[f"{k}/{s}" for k, s in KEYS],
+                   help="reduction keys BLOCK_K/SPLIT_K to probe (default: %(default)s)")
     args = p.parse_args(argv)
+    KEYS[:] = [tuple(int(v) for v in key.split("/")) for key in args.keys]
     start = time.time()
     gen = torch.Generator(device="cuda").manual_seed(7)
     bw = copy_bandwidth()
@@ -189,8 +210,11 @@ def main(argv=None):
         print(f"  {key[0]}/{key[1]} b={b}: {us:.1f} us {cfg}")
     if fbest:
         print("\n## finalize L3584_K16: best µs per b (of floor)")
-        for b, (us, cfg, floor) in sorted(fbest.items()):
-            print(f"| b={b} | {us:.2f} | floor {floor:.2f} | {us / floor:.2f}x | {cfg} |")
+        print("| b | µs | floor µs | of floor | copy of as many bytes, µs (of floor) | config |")
+        print("|---|---|---|---|---|---|")
+        for b, (us, cfg, floor, copy_us) in sorted(fbest.items()):
+            print(f"| {b} | {us:.2f} | {floor:.2f} | {us / floor:.2f}x | {copy_us:.2f} "
+                  f"({copy_us / floor:.2f}x) | {cfg} |")
     print(f"\n# {time.time() - start:.0f} s")
 
 
