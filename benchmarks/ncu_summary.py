@@ -74,8 +74,14 @@ def main(argv=None) -> int:
         return 2
     for path in paths:
         print(f"== {path}")
-        (stalls if "source" in path else details)(path)
+        (stalls if _is_source_page(path) else details)(path)
     return 0
+
+
+def _is_source_page(path: str) -> bool:
+    """Whether ``path`` holds a source page: its sections start with a kernel's name
+    line, where a details page starts with its column header (whatever the file's name)."""
+    return _text(path).startswith('"Kernel Name",')
 
 
 if __name__ == "__main__":

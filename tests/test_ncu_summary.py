@@ -37,7 +37,8 @@ line_counts = st.lists(st.tuples(*(st.integers(0, 50) for _ in REASONS)), min_si
 @settings(max_examples=20)
 @given(first=line_counts, second=line_counts)
 def test_stall_shares_and_top_lines(tmp_path_factory, first, second):
-    path = tmp_path_factory.mktemp("ncu") / "x_source.csv.gz"
+    # Told apart from a details page by what it holds, not by its name.
+    path = tmp_path_factory.mktemp("ncu") / "profile.csv.gz"
     with gzip.open(path, "wt") as f:  # the first kernel profiled twice: shown once
         f.write(source_page([("kern_a", first), ("kern_b", second), ("kern_a", second)]))
     buf = io.StringIO()
@@ -57,3 +58,42 @@ def test_stall_shares_and_top_lines(tmp_path_factory, first, second):
     lines = [ln for ln in block.splitlines() if "INSTR" in ln]
     assert f"INSTR{best} " in lines[0]
     assert lines[0].split()[-1] == REASONS[max(range(3), key=lambda j: first[best][j])][6:]
+
+
+DETAIL_HEADER = ["ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context",
+                 "Stream", "Block Size", "Grid Size", "Device", "CC", "Section Name",
+                 "Metric Name", "Metric Unit", "Metric Value"]
+
+
+def details_page(kernels) -> str:
+    """A details page as ``ncu --page details --csv`` writes it: a header, then one row a
+    (kernel launch, metric)."""
+    out = [",".join(f'"{h}"' for h in DETAIL_HEADER)]
+    for i, (name, duration, dram) in enumerate(kernels):
+        for metric, unit, value in (("Duration", "us", duration),
+                                    ("DRAM Throughput", "%", dram)):
+            row = [str(i), "1", "python", "host", name, "1", "7", "(128, 1, 1)",
+                   f"({i + 1}, 6, 1)", "0", "9.0", "Speed Of Light", metric, unit, value]
+            out.append(",".join(f'"{v}"' for v in row))
+    return "\n".join(out) + "\n"
+
+
+metric = st.decimals(min_value=0, max_value=10000, places=2).map(str)
+
+
+@settings(max_examples=20)
+@given(kernels=st.lists(st.tuples(st.sampled_from(["kern_a", "kern_b"]), metric, metric),
+                        min_size=1, max_size=4))
+def test_details_one_line_a_launch(tmp_path_factory, kernels):
+    """Each launch of a details page is one line with its own metrics, whatever the file
+    is called (a page named like a source page included)."""
+    path = tmp_path_factory.mktemp("ncu") / "x_source.csv"
+    path.write_text(details_page(kernels))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert ncu_summary.main([str(path)]) == 0
+    lines = [ln for ln in buf.getvalue().splitlines() if " grid " in ln]
+    assert len(lines) == len(kernels)
+    for i, (line, (name, duration, dram)) in enumerate(zip(lines, kernels)):
+        assert line.startswith(f"{name} grid ({i + 1}, 6, 1) block (128, 1, 1):")
+        assert f"Duration {duration}us" in line and f"DRAM Throughput {dram}%" in line
