@@ -7,10 +7,11 @@ Front (N560_H7168, x [b, 7168] @ packed[560, 7168].T, FP32 out): for each reduct
 (BLOCK_K, SPLIT_K) a short list of layouts (tiles, SPLIT_GRID, GROUP, warps, stages)
 fitted to the batch width. Every config is first checked: its output is bitwise equal
 to the key's first config at that width, and row 0 equals the key's row 0 at the first
-width (batch invariance across layouts and widths), and within 1e-5 of float64. Then it
-is timed with CUDA-graph medians over 16 rotating copies of the weights (as
-``bench_layer.py`` times its torch.mm row: ``torch.mm(x, w.t(), out_dtype=float32)``,
-8 MB of weights that must not sit in L2). Finalize (L3584_K16): configs of its SPACE,
+width (batch invariance across layouts and widths), and within 1e-5 of float64 (keys
+that cut H into the same segments are also compared with each other, bit for bit: does
+BLOCK_K alone change the sums on this GPU?). Then it is timed with CUDA-graph medians
+over 16 rotating copies of the weights (as ``bench_layer.py`` times its torch.mm row:
+``torch.mm(x, w.t(), out_dtype=float32)``, 8 MB of weights that must not sit in L2). Finalize (L3584_K16): configs of its SPACE,
 each bitwise-checked against ``reference.finalize``, beside its floor (bytes over the
 copy bandwidth measured at the start) and a device copy moving as many bytes. The last
 table: per reduction key, the best front time per b and the worst ratio to torch.mm
@@ -118,6 +119,7 @@ def probe_front(batches, gen) -> tuple[dict, dict]:
                 bits = out.view(torch.int32)
                 same = first is None or torch.equal(bits, first)
                 first = bits if first is None else first
+                firsts.setdefault((key, b), bits)
                 row0 = row0_of.setdefault(key, bits[0].clone())
                 if not (same and torch.equal(bits[0], row0) and err < 1e-5):
                     print(f"!! front b={b} key={key} {lay}: same-as-key-first={same} "
@@ -132,10 +134,25 @@ def probe_front(batches, gen) -> tuple[dict, dict]:
                       f"{us:7.2f} us  (torch.mm {mm[b]:.2f}, {us / mm[b]:.2f}x)", flush=True)
                 if (key, b) not in best or us < best[key, b][0]:
                     best[key, b] = (us, cfg)
+    same_segments(batches)
     return best, mm
 
 
 row0_of: dict = {}
+firsts: dict = {}  # {(key, b): the bits of the key's first config at width b}
+
+
+def same_segments(batches) -> None:
+    """Whether keys that cut H into the same segments (equal SPLIT_K, each segment a
+    whole number of either key's blocks) give the same bits: if so, BLOCK_K need not be
+    a reduction key on this GPU (wgmma sums a segment 16 elements at a time either way)."""
+    for (k1, s1), (k2, s2) in ((a, c) for a in KEYS for c in KEYS if a < c):
+        if s1 != s2 or H % (s1 * max(k1, k2)):
+            continue
+        same = [torch.equal(firsts[(k1, s1), b], firsts[(k2, s2), b]) for b in batches
+                if ((k1, s1), b) in firsts and ((k2, s2), b) in firsts]
+        print(f"BLOCK_K {k1} and {k2} at SPLIT_K {s1}: bits equal at {sum(same)} of "
+              f"{len(same)} widths", flush=True)
 
 
 def finalize_configs(b: int) -> list[dict]:

@@ -533,6 +533,26 @@ def test_decode_layout_refuses_e4m3_activations():
                        pairs, gen, K, BETA, LINEAR_BETA, config_up=up, config_down=down)
 
 
+@pytest.mark.parametrize("layout, staged", [(layout, False) for layout in ex.LAYOUTS]
+                         + [("wgmma_decode", True)])
+def test_tuning_spaces_hold_their_defaults_and_priors(layout, staged):
+    """The sweep times only configs of a launch's space (``tune.candidates`` drops the
+    others), so a default or prior outside it would never be tried; every config of a
+    space is one the wrapper accepts for that layout (``experts._tuning``: the staged
+    path only runs on sm_90, so both of its variants are asked for by name)."""
+    t = ex._tuning(layout, staged)
+    for name, default, space, priors in (("up", t.default_up, t.space_up, t.priors_up),
+                                         ("down", t.default_down, t.space_down,
+                                          t.priors_down)):
+        assert default in space, (name, default)
+        assert all(p in space for p in priors), (name, [p for p in priors if p not in space])
+        for config in space:
+            ex._check_config(f"config_{name}", config)
+            ex._check_staged_keys(f"config_{name}", config, staged, name == "down")
+            if layout == "wgmma_decode":
+                ex._check_decode_config(f"config_{name}", config)
+
+
 def test_columns_are_for_the_down_launch_only():
     """COLS in config_up is a named error even where the staged path runs, and nothing
     is written before it is raised."""

@@ -170,7 +170,8 @@ class Tuning(NamedTuple):
 def tuning(layout: str, device) -> Tuning:
     """The sweep's configs for weights in ``layout`` on ``device``: "wgmma_decode" takes
     BF16 activations only, so its spaces are the others' configs with A_BF16 = 1; where
-    it runs staged (``staged_dot``) they also range over STAGED_KEYS (and maxnreg 96).
+    it runs staged (``staged_dot``) they also range over STAGED_KEYS (and maxnreg 88 and
+    96, and two stages).
     Built once per (layout, staged), shared: ``experts`` asks for it on every call."""
     return _tuning(layout, layout == "wgmma_decode" and staged_dot(device))
 
@@ -184,11 +185,19 @@ def _tuning(layout: str, staged: bool) -> Tuning:
     if not staged:
         return Tuning("_decode", DEFAULT_UP_DECODE, DEFAULT_DOWN_DECODE, bf16(SPACE_UP),
                       bf16(SPACE_DOWN), PRIORS_UP_DECODE, PRIORS_DOWN_DECODE)
-    regs = [dict(c, maxnreg=r) for c in bf16(SPACE_UP) if c["maxnreg"] for r in (96, 128)]
+    regs = [dict(c, maxnreg=r) for c in bf16(SPACE_UP) if c["maxnreg"]
+            for r in (88, 96, 128)]
     regs += [c for c in bf16(SPACE_UP) if not c["maxnreg"]]
+    # Two stages too: a 32-row up tile's three stages take 50 KB of shared memory, which
+    # leaves room for four programs a SM where maxnreg 96 or 88 allows five.
+    regs += [dict(c, num_stages=2) for c in regs if c["num_stages"] == 3]
     masked = [dict(c, MASK_ROWS=m) for c in regs for m in (0, 1)]
-    return Tuning("_decode", DEFAULT_UP_STAGED, DEFAULT_DOWN_STAGED, masked,
-                  [dict(c, COLS=k) for c in masked for k in (1, 2, 4)],
+    cols = [dict(c, COLS=k) for c in masked for k in (1, 2, 4)]
+    # The sweep times only configs of its space: the priors join it where their register
+    # cap is outside the grid above (maxnreg 168).
+    return Tuning("_decode", DEFAULT_UP_STAGED, DEFAULT_DOWN_STAGED,
+                  masked + [p for p in PRIORS_UP_STAGED if p not in masked],
+                  cols + [p for p in PRIORS_DOWN_STAGED if p not in cols],
                   PRIORS_UP_STAGED, PRIORS_DOWN_STAGED)
 
 # Preferred reduction steps (elements along L for up, along I for down); the step used is
