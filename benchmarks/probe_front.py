@@ -11,9 +11,10 @@ width (batch invariance across layouts and widths), and within 1e-5 of float64 (
 that cut H into the same segments are also compared with each other, bit for bit: does
 BLOCK_K alone change the sums on this GPU?). Then it is timed with CUDA-graph medians
 over 16 rotating copies of the weights (as ``bench_layer.py`` times its torch.mm row:
-``torch.mm(x, w.t(), out_dtype=float32)``, 8 MB of weights that must not sit in L2). Finalize (L3584_K16): configs of its SPACE,
-each bitwise-checked against ``reference.finalize``, beside its floor (bytes over the
-copy bandwidth measured at the start) and a device copy moving as many bytes. The last
+``torch.mm(x, w.t(), out_dtype=float32)``, 8 MB of weights that must not sit in L2).
+Finalize (L3584_K16): configs of its SPACE, each bitwise-checked against
+``reference.finalize``, beside its floor (bytes over the copy bandwidth measured at the
+start) and a device copy moving as many bytes. The last
 table: per reduction key, the best front time per b and the worst ratio to torch.mm
 over the b's (the keys are fixed across b); then finalize's best per b over its floor.
 """

@@ -7,8 +7,9 @@ Compiles the up and down kernels ahead of time with Triton 3.6 for sm_90 at TP8
 production dims (L 3584, I 384, BLOCK_K as prepare_weights sets it) at DEFAULT_UP /
 DEFAULT_DOWN (A_BF16 0 and 1; for "wgmma_decode" the staged path's defaults, A_BF16 1),
 pointers specialized 16-aligned as the JIT does, and prints registers, stack (spills),
-the ttgir's local_alloc / convert_layout counts and the SASS histogram of the smallest loop holding HGMMA, per
-weight element a thread decodes an iteration (loop instructions x threads / elements)."""
+the ttgir's local_alloc / convert_layout counts and the SASS histogram of the smallest
+loop holding HGMMA, per weight element a thread decodes an iteration (loop instructions
+x threads / elements)."""
 import collections
 import os
 import re

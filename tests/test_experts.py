@@ -547,10 +547,8 @@ def test_tuning_spaces_hold_their_defaults_and_priors(layout, staged):
         assert default in space, (name, default)
         assert all(p in space for p in priors), (name, [p for p in priors if p not in space])
         for config in space:
-            ex._check_config(f"config_{name}", config)
-            ex._check_staged_keys(f"config_{name}", config, staged, name == "down")
-            if layout == "wgmma_decode":
-                ex._check_decode_config(f"config_{name}", config)
+            up, down = (config, t.default_down) if name == "up" else (t.default_up, config)
+            ex._check_configs(up, down, layout == "wgmma_decode", staged)
 
 
 def test_columns_are_for_the_down_launch_only():

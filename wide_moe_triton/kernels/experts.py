@@ -1123,6 +1123,20 @@ def _check_decode_config(name: str, config: dict) -> None:
                          f"layout (their BF16 tile needs BF16 activations beside it)")
 
 
+def _check_configs(config_up: dict, config_down: dict, decode: bool,
+                   staged: bool) -> tuple[dict, dict]:
+    """(config_up, config_down) checked as ``experts`` takes them for weights that run
+    the decode layout (``decode``) and the staged path (``staged``), or a named error."""
+    cfg_up = _check_config("config_up", config_up)
+    cfg_down = _check_config("config_down", config_down)
+    if decode:
+        _check_decode_config("config_up", cfg_up)
+        _check_decode_config("config_down", cfg_down)
+    _check_staged_keys("config_up", cfg_up, staged, has_cols=False)
+    _check_staged_keys("config_down", cfg_down, staged, has_cols=True)
+    return cfg_up, cfg_down
+
+
 def _check_block_k(name: str, block_k: int, dim: int, dim_name: str) -> int:
     if block_k < 32 or block_k & (block_k - 1) or dim % block_k:
         raise ValueError(f"{name} ({block_k}) must be a power of two >= 32 dividing "
@@ -1216,16 +1230,12 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
     decode = weights.layout == "wgmma_decode"
     tune = tuning(weights.layout, device)
     key = shape_key(L, inter, E) + tune.suffix
-    cfg_up = _check_config("config_up", config_up if config_up is not None else
-                           config_for(KERNEL_UP, key, b, tune.default_up, device))
-    cfg_down = _check_config("config_down", config_down if config_down is not None else
-                             config_for(KERNEL_DOWN, key, b, tune.default_down, device))
-    if decode:
-        _check_decode_config("config_up", cfg_up)
-        _check_decode_config("config_down", cfg_down)
     staged = decode and staged_dot(device)
-    _check_staged_keys("config_up", cfg_up, staged, has_cols=False)
-    _check_staged_keys("config_down", cfg_down, staged, has_cols=True)
+    cfg_up, cfg_down = _check_configs(
+        config_up if config_up is not None else
+        config_for(KERNEL_UP, key, b, tune.default_up, device),
+        config_down if config_down is not None else
+        config_for(KERNEL_DOWN, key, b, tune.default_down, device), decode, staged)
     if num_pairs == 0:
         return rows
     if cfg_up["A_BF16"]:
@@ -1253,5 +1263,5 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         WIDE_SCALES=weights.wide_scales_down,
         BLOCK_M=cfg_down["BLOCK_M"], BLOCK_N=cfg_down["BLOCK_N"],
         BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"], COLS=cols,
-        MASK_ROWS=cfg_down.get("MASK_ROWS", 0),        **_launch_options(cfg_down))
+        MASK_ROWS=cfg_down.get("MASK_ROWS", 0), **_launch_options(cfg_down))
     return rows
