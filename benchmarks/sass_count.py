@@ -46,7 +46,7 @@ def compile_kernel(kind, cfg, layout="wgmma"):
              "ws_ptr", "rows_ptr", "num_experts", "wide_rows"],
             ["*u8", "*u8", "*bf16", "*i32", "*i32", "*i32", "*u8", "*u8", "*i16", "i32", "i32"])}
         bk = ex.reduction_block(I, ex.BLOCK_K_DOWN)
-        const = dict(LATENT=L, INTER=I, A_BF16=cfg["A_BF16"], BLOCK_K=bk)
+        const = dict(LATENT=L, INTER=I, A_BF16=cfg["A_BF16"], BLOCK_K=bk, PDL_TRIGGER=True)
     dec = layout == "wgmma_decode"
     if dec:
         sig["w_ptr"] = "*i32"

@@ -67,6 +67,8 @@ def launch_spec(fn, args, kwargs) -> dict:
         value = bound[name] if name in bound else param.default
         if name == "INTERPRET":  # the branch a GPU takes (the interpreter's never compiles)
             spec["constexprs"][name] = False
+        elif name.startswith("PDL_"):  # dependent launches: sm_90 and newer (kernels/pdl.py)
+            spec["constexprs"][name] = True
         elif name == "STAGED" and value:  # what each GPU takes (experts.staged_dot)
             spec["constexprs"][name] = True
             spec["per_target"] = {name: {str(c): c // 10 == ex.HOPPER

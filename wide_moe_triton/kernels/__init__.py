@@ -1,6 +1,7 @@
 """One stage a file: each holds its ``@triton.jit`` body, its launch wrapper and its
 tuning key (``KERNEL``, ``DEFAULT``, ``SPACE``, ``shape_key``). ``bits.py`` holds the
 FP32/BF16 bit conversions that several stages share, ``situ.py`` the activation that the
-routed and the shared experts share. The front GEMM (``front.py``) also carries every
+routed and the shared experts share, ``pdl.py`` the programmatic dependent launch from
+the experts' down kernel to finalize. The front GEMM (``front.py``) also carries every
 other dense linear (the shared expert's, ``shared.py``; the tail's up-projection,
 ``tail.py``), each under its own tuning name."""

@@ -72,6 +72,7 @@ from ..config import MX_BLOCK
 from ..tuning import config_for
 from .bits import f32_to_bf16_bits
 from .front import _interpreting
+from .pdl import allow_dependent_launch, dependent_launch
 from .plan import mxfp8_tile
 from .situ import situ
 
@@ -993,11 +994,15 @@ def _experts_down_kernel(
         ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
         STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr, COLS: tl.constexpr, MASK_ROWS: tl.constexpr):
+        NUM_STAGES: tl.constexpr, COLS: tl.constexpr, MASK_ROWS: tl.constexpr,
+        PDL_TRIGGER: tl.constexpr):
     """Program (e, j): latent columns j*BLOCK_N .. of every pair listed for expert e,
     rows[p] = bf16(W2_e h[p]), from the MXFP8 hidden in the workspace (its BF16 values
     when A_BF16; DECODE as in the up kernel). COLS > 1 (STAGED only): program (e, g)
-    takes the COLS column tiles g*COLS .. (``_down_columns``)."""
+    takes the COLS column tiles g*COLS .. (``_down_columns``). PDL_TRIGGER: the kernel
+    after it (finalize, a dependent launch) may start once this one's programs have all
+    started (``pdl``)."""
+    allow_dependent_launch(PDL_TRIGGER)
     e = tl.program_id(0)
     if COLS > 1:
         _down_columns(h_ptr, hv_ptr, counts_ptr, pairs_ptr, generation_ptr, w_ptr, ws_ptr,
@@ -1263,5 +1268,6 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         WIDE_SCALES=weights.wide_scales_down,
         BLOCK_M=cfg_down["BLOCK_M"], BLOCK_N=cfg_down["BLOCK_N"],
         BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"], COLS=cols,
-        MASK_ROWS=cfg_down.get("MASK_ROWS", 0), **_launch_options(cfg_down))
+        MASK_ROWS=cfg_down.get("MASK_ROWS", 0), PDL_TRIGGER=dependent_launch(device),
+        **_launch_options(cfg_down))
     return rows

@@ -19,6 +19,7 @@ import triton.language as tl
 from ..checks import check_tensor
 from ..tuning import config_for
 from .bits import bf16_bits_to_f32, f32_to_bf16_bits
+from .pdl import dependent_launch, wait_for_previous_grid
 
 KERNEL = "finalize"
 # 2 warps x 32 lanes x 8 columns = 512 columns: one 16-byte load per lane per row, and
@@ -50,9 +51,13 @@ def _load_pairs(rows_ptr, w_ptr, t, c, mask, t_ok, L, K: tl.constexpr):
 
 @triton.jit
 def _finalize_kernel(rows_ptr, w_ptr, out_ptr, gen_ptr, b, L, K: tl.constexpr,
-                     BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, HAS_GEN: tl.constexpr):
+                     BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr, HAS_GEN: tl.constexpr,
+                     PDL_WAIT: tl.constexpr):
     """One program per (BLOCK_T tokens, BLOCK_L columns); column chunks of a token are
-    neighbours in launch order, so its K rows stream from DRAM in order."""
+    neighbours in launch order, so its K rows stream from DRAM in order. PDL_WAIT: the
+    launch is a dependent one (``pdl``), started while the kernel that writes ``rows``
+    may still run."""
+    wait_for_previous_grid(PDL_WAIT)
     pid = tl.program_id(0)
     chunks_per_token = tl.cdiv(L, BLOCK_L)
     t = (pid // chunks_per_token) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -88,6 +93,10 @@ def finalize(rows: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | N
     counter; the kernel adds one to it (a b = 0 call launches nothing and leaves it
     alone, as no other stage of such a call runs either). ``config``: launch parameters,
     missing keys from ``DEFAULT`` (default: the tuned table for this GPU).
+
+    On GPUs of compute capability 9.0 and newer the kernel is launched as a dependent of
+    the one ahead of it in the stream (``pdl``): started early, it waits for that one's
+    completion before its first load, so the results are those of a plain launch.
     """
     check_tensor("weights", weights, torch.bfloat16, (None, None))
     b, K = weights.shape
@@ -108,9 +117,10 @@ def finalize(rows: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | N
         KERNEL, shape_key(L, K), b, DEFAULT, rows.device)
     _check_config(cfg)
     grid = (triton.cdiv(b, cfg["BLOCK_T"]) * triton.cdiv(L, cfg["BLOCK_L"]),)
+    pdl = dependent_launch(rows.device)
     _finalize_kernel[grid](
         rows.view(torch.int16), weights.view(torch.int16), out.view(torch.int16),
         generation if generation is not None else out, b, L, K=K,
         BLOCK_T=cfg["BLOCK_T"], BLOCK_L=cfg["BLOCK_L"], HAS_GEN=generation is not None,
-        num_warps=cfg["num_warps"])
+        PDL_WAIT=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl)
     return out
