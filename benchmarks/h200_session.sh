@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The H200 lease in device-tool calls (each <= 9.5 min), one mode a call; the usual order:
 #   probe  (when the experts kernels changed) probe_experts.py's configs, then the
-#          experts' GPU tests
+#          experts' GPU tests; VARIANT=FILE (a copy of kernels/experts.py, e.g. from a
+#          branch) also times the best pairs with that file's kernels
 #   profile  (to find what limits the experts) Nsight Compute over one experts call in
 #          each weight layout and over the matmul_ogs peer's GEMMs, as CSV
 #   tests  the GPU test suite (HYPOTHESIS_PROFILE=gpu-check, 16 workers, each test's
@@ -62,7 +63,7 @@ case "${1:-}" in
   probe)
     # the experts' configs in both Hopper layouts (probe_experts.py), then their GPU tests
     step probe 300 60 python benchmarks/probe_experts.py --tp 8 --batches 65 256 1024 \
-      --layouts wgmma wgmma_decode --top 4 --no-untiled
+      --layouts wgmma wgmma_decode --top 4 --no-untiled ${VARIANT:+--variant "$VARIANT"}
     show probe "^\|" 8
     step tests_experts 150 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -q -rf \
       --tb=short -n 16 -p no:cacheprovider tests/test_experts.py

@@ -1,7 +1,7 @@
 """The experts' launch configs on this GPU, up and down apart, checked then timed.
 
     python benchmarks/probe_experts.py [--tp 8] [--batches 65 256 1024]
-        [--layouts wgmma wgmma_decode] [--no-untiled] [--top N]
+        [--layouts wgmma wgmma_decode] [--no-untiled] [--top N] [--variant FILE]
 
 What produced the "experts v1" table of benchmarks/NOTES.md. At rank-local Kimi-K3 dims
 (experts drawn like ``LatentMoE``'s, a balanced routing) and each batch width, every
@@ -9,7 +9,11 @@ config of ``UP`` (then ``DOWN``) runs with the other launch at its reference con
 is checked against ``reference.expert_rows`` on the first 16 tokens, then the launch is
 timed alone (the other one stubbed out; CUDA-graph median). The best pair is then timed
 together, and once more over the same weights untiled (row-major, lane order), which
-isolates what the tiled "wgmma" layout buys. Floors: the bytes each launch must move over
+isolates what the tiled "wgmma" layout buys. ``--variant FILE``: a copy of
+``kernels/experts.py`` with other kernel bodies (e.g. ``git show
+BRANCH:wide_moe_triton/kernels/experts.py > benchmarks/variant.py``); the best pair is
+then checked and timed again with its kernels, each launch alone and together, in the
+same run as the shipped ones. Floors: the bytes each launch must move over
 the copy bandwidth measured at the start. Without a GPU it runs the tiny dims in Triton's
 interpreter and times nothing (a check of the script itself).
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import pathlib
 import sys
 
@@ -98,6 +103,45 @@ def only(kind: str | None):
         yield
     finally:
         ex._experts_up_kernel, ex._experts_down_kernel = saved
+
+
+def load_variant(path: str):
+    """The module at ``path`` (a copy of kernels/experts.py), imported inside the kernels
+    package so that its relative imports resolve."""
+    name = "wide_moe_triton.kernels._probe_variant"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def kernels_of(module):
+    """``ex.experts`` launches ``module``'s up and down kernels (the wrapper, its checks
+    and the weights stay the shipped ones)."""
+    saved = ex._experts_up_kernel, ex._experts_down_kernel
+    ex._experts_up_kernel, ex._experts_down_kernel = (module._experts_up_kernel,
+                                                      module._experts_down_kernel)
+    try:
+        yield
+    finally:
+        ex._experts_up_kernel, ex._experts_down_kernel = saved
+
+
+def time_variant(batch: "Batch", variant, up, down, weights) -> tuple[float, float, float]:
+    """(up µs, down µs, together µs) of the pair (up, down) with ``variant``'s kernels,
+    after checking its rows (rel. err. < 1e-2, as the configs are)."""
+    with kernels_of(variant):
+        err = batch.error(up, down, weights)
+        if not err < 1e-2:
+            raise AssertionError(f"variant: rel err {err:.2e}")
+        times = (batch.time_launch("up", up, down, weights),
+                 batch.time_launch("down", up, down, weights),
+                 timed_us(lambda: batch.run(up, down, weights)))
+    print(f"  variant: up {times[0]:.1f} + down {times[1]:.1f}, together {times[2]:.1f} us "
+          f"(err {err:.1e})", flush=True)
+    return times
 
 
 def untiled(prepared: ex.ExpertWeights) -> ex.ExpertWeights:
@@ -189,7 +233,10 @@ def main(argv=None) -> int:
                    help="skip timing the untiled (row-major) weights")
     p.add_argument("--top", type=int, default=0,
                    help="probe only the first N configs of each list (0: all)")
+    p.add_argument("--variant", metavar="FILE",
+                   help="a copy of kernels/experts.py whose kernels time the best pair again")
     args = p.parse_args(argv)
+    variant = load_variant(args.variant) if args.variant else None
     top = (lambda configs: configs[:args.top]) if args.top else (lambda configs: configs)
     copy_bw = copy_bandwidth()
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
@@ -223,14 +270,19 @@ def main(argv=None) -> int:
                       f"{batch.error(best_up[1], best_down[1], row_major):.1e})")
             print(f"  best {layout}: up {best_up[0]:.1f} + down {best_down[0]:.1f}, together "
                   f"{both:.1f} us ({floor / both:.1%} of copy bw)", flush=True)
-            summary.append((b, batch.touched, layout, floor, both, flat, best_up[1],
+            other = "-"
+            if variant is not None:
+                v_up, v_down, v_both = time_variant(batch, variant, best_up[1], best_down[1], w)
+                other = (f"{v_up:.0f} + {v_down:.0f} = {v_both:.0f} (shipped {best_up[0]:.0f}"
+                         f" + {best_down[0]:.0f})")
+            summary.append((b, batch.touched, layout, floor, both, flat, other, best_up[1],
                             best_down[1]))
-    print("\n| b | touched | layout | floor µs | best µs | of copy bw | untiled µs | up "
-          "| down |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for b, touched, layout, floor, both, flat, up, down in summary:
+    print("\n| b | touched | layout | floor µs | best µs | of copy bw | untiled µs | variant µs "
+          "| up | down |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for b, touched, layout, floor, both, flat, other, up, down in summary:
         print(f"| {b} | {touched} | {layout} | {floor:.0f} | {both:.0f} | {floor / both:.0%} "
-              f"| {flat:.0f} | {up} | {down} |")
+              f"| {flat:.0f} | {other} | {up} | {down} |")
     return 0
 
 
