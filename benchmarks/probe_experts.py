@@ -92,17 +92,21 @@ class _Stub:
 
 
 @contextlib.contextmanager
-def only(kind: str | None):
-    """Run only the ``kind`` launch ("up" or "down") of ``ex.experts``; None: both."""
+def launching(up, down):
+    """Within: ``ex.experts`` launches the kernel handles ``up`` and ``down`` (the
+    wrapper, its checks and the weights stay the shipped ones)."""
     saved = ex._experts_up_kernel, ex._experts_down_kernel
-    if kind == "up":
-        ex._experts_down_kernel = _Stub()
-    elif kind == "down":
-        ex._experts_up_kernel = _Stub()
+    ex._experts_up_kernel, ex._experts_down_kernel = up, down
     try:
         yield
     finally:
         ex._experts_up_kernel, ex._experts_down_kernel = saved
+
+
+def only(kind: str | None):
+    """Run only the ``kind`` launch ("up" or "down") of ``ex.experts``; None: both."""
+    return launching(_Stub() if kind == "down" else ex._experts_up_kernel,
+                     _Stub() if kind == "up" else ex._experts_down_kernel)
 
 
 def load_variant(path: str):
@@ -116,23 +120,10 @@ def load_variant(path: str):
     return module
 
 
-@contextlib.contextmanager
-def kernels_of(module):
-    """``ex.experts`` launches ``module``'s up and down kernels (the wrapper, its checks
-    and the weights stay the shipped ones)."""
-    saved = ex._experts_up_kernel, ex._experts_down_kernel
-    ex._experts_up_kernel, ex._experts_down_kernel = (module._experts_up_kernel,
-                                                      module._experts_down_kernel)
-    try:
-        yield
-    finally:
-        ex._experts_up_kernel, ex._experts_down_kernel = saved
-
-
 def time_variant(batch: "Batch", variant, up, down, weights) -> tuple[float, float, float]:
     """(up µs, down µs, together µs) of the pair (up, down) with ``variant``'s kernels,
     after checking its rows (rel. err. < 1e-2, as the configs are)."""
-    with kernels_of(variant):
+    with launching(variant._experts_up_kernel, variant._experts_down_kernel):
         err = batch.error(up, down, weights)
         if not err < 1e-2:
             raise AssertionError(f"variant: rel err {err:.2e}")

@@ -14,9 +14,9 @@ over 16 rotating copies of the weights (as ``bench_layer.py`` times its torch.mm
 ``torch.mm(x, w.t(), out_dtype=float32)``, 8 MB of weights that must not sit in L2).
 Finalize (L3584_K16): configs of its SPACE, each bitwise-checked against
 ``reference.finalize``, beside its floor (bytes over the copy bandwidth measured at the
-start) and a device copy moving as many bytes. The last
-table: per reduction key, the best front time per b and the worst ratio to torch.mm
-over the b's (the keys are fixed across b); then finalize's best per b over its floor.
+start) and a device copy moving as many bytes. The last table: per reduction key, the
+best front time per b and the worst ratio to torch.mm over the b's (the keys are fixed
+across b); then finalize's best per b over its floor.
 """
 
 from __future__ import annotations
