@@ -59,11 +59,20 @@ REF_DOWN = dict(BLOCK_M=16, BLOCK_N=128, A_BF16=0, num_warps=4, num_stages=3, ma
 # experts.STAGED_KEYS: the shipped defaults lead, then the fifth lease's runners-up.
 UP_DECODE = [ex.DEFAULT_UP_STAGED, *ex.PRIORS_UP_STAGED, *(dict(c, MASK_ROWS=1) for c in
              ex.config_rows([(16, 64, 1, 4, 3, 128), (16, 64, 1, 4, 4, 96),
-                             (16, 128, 1, 8, 3, 96), (32, 64, 1, 4, 3, 96)]))]
+                             (16, 128, 1, 8, 3, 96), (32, 64, 1, 4, 3, 96)])),
+             # wide batches (b = 512-1024) with whole-sector weight copies (eighth lease)
+             # and 32-pair tiles that end in a 16-pair one (HALF_TILE; 64-pair tiles and
+             # 8-warp 32 x 128 ones were 1.5-2x slower at b = 512-1024, same lease)
+             *(dict(c, MASK_ROWS=m, HALF_TILE=h) for c, m, h in zip(ex.config_rows(
+                 [(32, 64, 1, 4, 4, 168), (32, 64, 1, 4, 3, 168), (32, 64, 1, 4, 3, 168),
+                  (32, 64, 1, 4, 3, 168)]), (0, 1, 0, 1), (0, 0, 1, 1)))]
 DOWN_DECODE = [ex.DEFAULT_DOWN_STAGED, *ex.PRIORS_DOWN_STAGED, *(
     dict(c, MASK_ROWS=1, COLS=k) for c, k in zip(ex.config_rows(
         [(16, 128, 1, 4, 4, 128), (16, 128, 1, 4, 3, 96), (16, 64, 1, 4, 3, 96),
-         (16, 128, 1, 8, 3, 128)]), (4, 4, 8, 4)))]
+         (16, 128, 1, 8, 3, 128)]), (4, 4, 8, 4))),
+    *(dict(c, MASK_ROWS=1, COLS=4, HALF_TILE=h) for c, h in zip(ex.config_rows(
+        [(32, 128, 1, 4, 4, 168), (32, 128, 1, 4, 3, 168), (32, 128, 1, 4, 3, 128)]),
+        (0, 1, 1)))]
 REF_UP_DECODE, REF_DOWN_DECODE = UP_DECODE[0], DOWN_DECODE[0]
 
 
@@ -233,7 +242,8 @@ def main(argv=None) -> int:
     print(f"copy {copy_bw / 1e12:.2f} TB/s", flush=True)
     cfg = WideMoEConfig.tiny(tp=1) if DRY else WideMoEConfig.kimi_k3(tp=args.tp)
     gen = torch.Generator(device="cpu" if DRY else "cuda").manual_seed(args.tp)
-    weights = tune.random_expert_weights(cfg, gen)
+    # "wgmma" explicitly: the generator's default layout is "wgmma_decode" on Hopper
+    weights = tune.random_expert_weights(cfg, gen, layout="wgmma")
     weights["stock"] = (weights["w13"], weights["w13_scales"], weights["w2"],
                         weights["w2_scales"])
     row_major = None if args.no_untiled else untiled(weights["prepared"])

@@ -408,6 +408,30 @@ def test_down_columns_and_masked_rows_keep_bits(case, inter, cols, block_n, mask
     assert one.same_bits(many)
 
 
+# Lists whose last 32-pair tile holds exactly 16, 17, 1 or no pairs past a whole one.
+HALF_COUNTS = st.sampled_from([16, 17, 32, 33, 48, 49]) | st.integers(1, WIDE_ROWS)
+
+
+@settings(max_examples=FEW)
+@given(count=HALF_COUNTS, seed=seeds, inter=st.sampled_from(INTERS), cols=st.sampled_from([1, 4]),
+       mask=st.booleans())
+@example(count=48, seed=3, inter=128, cols=4, mask=True)
+@example(count=17, seed=4, inter=32, cols=1, mask=False)
+def test_half_tiles_keep_bits(count, seed, inter, cols, mask):
+    """32-pair tiles whose lists end in a 16-pair tile where at most 16 pairs remain
+    (HALF_TILE) give the bits of 16-pair tiles, for a hot expert with ``count`` pairs
+    beside experts of a few pairs each (which take only the half tile)."""
+    ids = make_ids("hot", count, seed)
+    q, qs = make_plan(count, seed)
+    up = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0)
+    down = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0)
+    keys = dict(BLOCK_M=32, MASK_ROWS=int(mask), HALF_TILE=1)
+    narrow = launch(q, qs, ids, inter, layout="wgmma_decode", config_up=up, config_down=down)
+    halved = launch(q, qs, ids, inter, layout="wgmma_decode", config_up=dict(up, **keys),
+                    config_down=dict(down, COLS=cols, **keys))
+    assert narrow.same_bits(halved)
+
+
 def test_a_bf16_variants_are_bitwise_identical():
     """Both activation formats feed the same exact products to the same FP32 sums."""
     ids = make_ids("hot", BM + 3, 9)
@@ -731,9 +755,12 @@ for _name, _make, _exc in [
     ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, MASKROWS=1), ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, COLS=3), ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, MASK_ROWS=2), ValueError),
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, HALF_TILE=2), ValueError),
+    ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, BLOCK_M=16, HALF_TILE=1), ValueError),
     # the staged path's keys where the weights' layout does not run it
     ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, MASK_ROWS=1), ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, COLS=2), ValueError),
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, BLOCK_M=32, HALF_TILE=1), ValueError),
 ]:
     _BAD.append(pytest.param(_name, _make, _exc, id=f"{_name}-{len(_BAD)}"))
 

@@ -97,7 +97,9 @@ DEFAULT_DOWN_DECODE = {"BLOCK_M": 16, "BLOCK_N": 256, "A_BF16": 1, "num_warps": 
 #   it pays where tiles are mostly padding (b = 65-256 at TP8), not at b = 1024.
 # - COLS (down launch only): column tiles a down program takes, their steps in one
 #   pipelined loop (``_down_columns``); at TP8 a tile is only I / BLOCK_K = 3 steps.
-STAGED_KEYS = {"MASK_ROWS": 0, "COLS": 1}
+# - HALF_TILE 1 (BLOCK_M >= 32): a list's last tile of at most BLOCK_M/2 pairs runs as
+#   a BLOCK_M/2 tile (``_full_tiles``): for the 32-row tiles of b = 1024 at TP8.
+STAGED_KEYS = {"MASK_ROWS": 0, "COLS": 1, "HALF_TILE": 0}
 # The staged path's defaults: the best of the H200 probe at TP8, b = 65 and 256
 # (benchmarks/NOTES.md, fifth lease): 358 + 174 µs at b = 65, 522 + 252 at 256, against
 # 409 + 247 and 542 + 377 for the fourth lease's (above, without the keys).
@@ -147,13 +149,13 @@ PRIORS_UP_DECODE = config_rows([(32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 3, 128)
                                 (16, 64, 1, 4, 4, 128)])
 PRIORS_DOWN_DECODE = config_rows([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 128),
                                   (16, 128, 1, 4, 4, 128)])
-# The staged path's: the fifth lease's probe best at b = 1024 (32-row tiles, unmasked
-# rows not measured there) and runners-up at b = 65-256.
+# The staged path's: the probe's best at b = 1024 (32-row tiles; the eighth lease's,
+# the down one ending in a half tile) and the fifth lease's runners-up at b = 65-256.
 PRIORS_UP_STAGED = [dict(c, MASK_ROWS=m) for c, m in zip(config_rows(
     [(32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128), (16, 64, 1, 4, 3, 128)]), (0, 0, 1))]
-PRIORS_DOWN_STAGED = [dict(c, MASK_ROWS=m, COLS=k) for c, m, k in zip(config_rows(
-    [(32, 128, 1, 4, 3, 168), (32, 256, 1, 8, 3, 128), (16, 256, 1, 8, 3, 128)]),
-    (1, 1, 1), (4, 2, 2))]
+PRIORS_DOWN_STAGED = [dict(c, MASK_ROWS=m, COLS=k, HALF_TILE=h) for c, m, k, h in zip(
+    config_rows([(32, 128, 1, 4, 3, 128), (32, 256, 1, 8, 3, 128), (16, 256, 1, 8, 3, 128)]),
+    (1, 1, 1), (4, 2, 2), (1, 0, 0))]
 
 
 class Tuning(NamedTuple):
@@ -193,6 +195,7 @@ def _tuning(layout: str, staged: bool) -> Tuning:
     # leaves room for four programs a SM where maxnreg 96 or 88 allows five.
     regs += [dict(c, num_stages=2) for c in regs if c["num_stages"] == 3]
     masked = [dict(c, MASK_ROWS=m) for c in regs for m in (0, 1)]
+    masked += [dict(c, HALF_TILE=1) for c in masked if c["BLOCK_M"] >= 32]
     cols = [dict(c, COLS=k) for c in masked for k in (1, 2, 4)]
     # The sweep times only configs of its space: the priors join it where their register
     # cap is outside the grid above (maxnreg 168).
@@ -701,10 +704,14 @@ def _decoded_weights(w_ptr, s_ptr, rows, k0, K: tl.constexpr, BLOCK_N: tl.conste
     are elements 32*i + 8*p + 2*q + h (pair p, half h): the joins and the permute below
     put each pair in the register the tensor cores take it from, so they move no data."""
     WORDS: tl.constexpr = BLOCK_K // 32
-    q = tl.arange(0, 4)[None, None, :]
-    i = tl.arange(0, WORDS)[None, :, None]
     chunk = _row_chunks(rows, k0, K // 8, BLOCK_K // 8, ROW_BLOCK, BLOCK_K)
-    w = tl.load(w_ptr + chunk[:, None, None] + q * WORDS + i).to(tl.uint32, bitcast=True)
+    # A row's words of a step are one contiguous run: loaded as one axis, a warp's copies
+    # cover whole 32-byte sectors (8 rows x 64 bytes). Loaded as [rows, words, lanes],
+    # Triton gave each thread one row's four 16-byte vectors, so each copy instruction
+    # read half of every sector it touched and the weights crossed from L2 twice (Nsight
+    # Compute, benchmarks/NOTES.md, seventh lease).
+    w = tl.load(w_ptr + chunk[:, None] + tl.arange(0, 4 * WORDS)[None, :])
+    w = tl.permute(tl.reshape(w, (BLOCK_N, 4, WORDS)), (0, 2, 1)).to(tl.uint32, bitcast=True)
     p0, p1, p2, p3 = _bf16_pairs(w)  # [BLOCK_N, WORDS, 4]
     pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [.., 4 (q), 2, 2 (pair)]
     # One scale a word: its exponents broadcast over the word's pairs.
@@ -948,42 +955,82 @@ def _experts_up_kernel(
         ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
         STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr, MASK_ROWS: tl.constexpr):
+        NUM_STAGES: tl.constexpr, MASK_ROWS: tl.constexpr, HALF_TILE: tl.constexpr):
     """Program (e, j): hidden columns j*BLOCK_N .. of every pair listed for expert e,
     h = mxfp8(situ(W13_gate q, W13_up q)), stored at the pair's workspace row (and its
     exact BF16 values too, when STORE_VALUES). A_BF16: the activations are the plan's
     BF16 values (``q_values``) rather than its codes and scales. DECODE: the weights are
-    in the "wgmma_decode" layout, w_ptr their int32 words."""
+    in the "wgmma_decode" layout, w_ptr their int32 words. HALF_TILE: ``_full_tiles``."""
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < INTER
-    n_in = _clamped(n, INTER)
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
                                       num_experts, wide_rows)
     w_e = w_ptr + e.to(tl.int64) * (2 * INTER * LATENT // (8 if DECODE else 2))
     ws_e = ws_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 32)
+    # An expert with no pairs runs zero iterations: its weights are never read.
+    full = _full_tiles(count, BLOCK_M, HALF_TILE)
+    for m0 in range(0, full, BLOCK_M):
+        _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr, hs_ptr,
+                 hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K, HAS_LINEAR_BETA, A_BF16,
+                 STORE_VALUES, ROW_BLOCK, WGMMA_ORDER, DECODE, STAGED, WIDE_SCALES,
+                 INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, MASK_ROWS)
+    if HALF_TILE:
+        for m0 in range(full, count, BLOCK_M // 2):
+            _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr,
+                     hs_ptr, hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K,
+                     HAS_LINEAR_BETA, A_BF16, STORE_VALUES, ROW_BLOCK, WGMMA_ORDER, DECODE,
+                     STAGED, WIDE_SCALES, INTERPRET, BLOCK_M // 2, BLOCK_N, BLOCK_K,
+                     NUM_STAGES, MASK_ROWS)
+
+
+@triton.jit
+def _full_tiles(count, BLOCK_M: tl.constexpr, HALF_TILE: tl.constexpr):
+    """How many of a list's ``count`` pairs run in tiles of BLOCK_M; with HALF_TILE, a
+    last tile of at most BLOCK_M/2 pairs runs as a BLOCK_M/2 tile instead (the rest).
+
+    The MMA's narrow side is the tile's pairs, padding included: a 32-pair tile costs
+    1.2-1.5x a 16-pair one on the same weights, and at b = 1024 (TP8) a third of the
+    lists hold at most 16 of their 18 pairs on average (benchmarks/NOTES.md, eighth
+    lease: the down launch 4.5% faster there, the up launch unchanged). A row's sum runs
+    over the same steps in the same order in either tile."""
+    full = count
+    if HALF_TILE:
+        last = count % BLOCK_M
+        full = tl.where((last > 0) & (last <= BLOCK_M // 2), count - last, count)
+    return full
+
+
+@triton.jit
+def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr, hs_ptr, hv_ptr,
+             beta, linear_beta, LATENT: tl.constexpr, INTER: tl.constexpr,
+             TOP_K: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, A_BF16: tl.constexpr,
+             STORE_VALUES: tl.constexpr, ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
+             DECODE: tl.constexpr, STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr,
+             INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """The up kernel's hidden columns ``n`` of list entries m0 .. m0+BLOCK_M-1."""
+    n_ok = n < INTER
+    n_in = _clamped(n, INTER)
     # The tile's gate rows, then its up rows (the up rows follow the I gate rows): one
     # dot a step over both, so one shared-memory fence, barrier and MMA wait a step.
     rows = tl.reshape(tl.join(n_in, n_in + INTER).permute(1, 0), (2 * BLOCK_N,))
     sc = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
-    # An expert with no pairs runs zero iterations: its weights are never read.
-    for m0 in range(0, count, BLOCK_M):
-        pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-        acc = _reduce(tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32), q_ptr, qs_ptr, qv_ptr,
-                      pair // TOP_K, m_ok, w_e, ws_e, rows, LATENT, MASK_ROWS, A_BF16, DECODE,
-                      STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
-                      BLOCK_K, NUM_STAGES)
-        acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-        h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
-        codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
-        tl.store(h_ptr + pair[:, None] * INTER + n[None, :], codes,
+    pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
+    acc = _reduce(tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32), q_ptr, qs_ptr, qv_ptr,
+                  pair // TOP_K, m_ok, w_e, ws_e, rows, LATENT, MASK_ROWS, A_BF16, DECODE,
+                  STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
+                  BLOCK_K, NUM_STAGES)
+    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
+    codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
+    tl.store(h_ptr + pair[:, None] * INTER + n[None, :], codes,
+             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(hs_ptr + pair[:, None] * (INTER // 32) + sc[None, :], scales,
+             mask=m_ok[:, None] & (sc[None, :] < INTER // 32))
+    if STORE_VALUES:
+        tl.store(hv_ptr + pair[:, None] * INTER + n[None, :],
+                 _e4m3_to_bf16(codes, scales, BLOCK_M, BLOCK_N),
                  mask=m_ok[:, None] & n_ok[None, :])
-        tl.store(hs_ptr + pair[:, None] * (INTER // 32) + sc[None, :], scales,
-                 mask=m_ok[:, None] & (sc[None, :] < INTER // 32))
-        if STORE_VALUES:
-            tl.store(hv_ptr + pair[:, None] * INTER + n[None, :],
-                     _e4m3_to_bf16(codes, scales, BLOCK_M, BLOCK_N),
-                     mask=m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -995,70 +1042,81 @@ def _experts_down_kernel(
         STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         NUM_STAGES: tl.constexpr, COLS: tl.constexpr, MASK_ROWS: tl.constexpr,
-        PDL_TRIGGER: tl.constexpr):
+        HALF_TILE: tl.constexpr, PDL_TRIGGER: tl.constexpr):
     """Program (e, j): latent columns j*BLOCK_N .. of every pair listed for expert e,
     rows[p] = bf16(W2_e h[p]), from the MXFP8 hidden in the workspace (its BF16 values
     when A_BF16; DECODE as in the up kernel). COLS > 1 (STAGED only): program (e, g)
-    takes the COLS column tiles g*COLS .. (``_down_columns``). PDL_TRIGGER: the kernel
-    after it (finalize, a dependent launch) may start once this one's programs have all
-    started (``pdl``)."""
+    takes the COLS column tiles g*COLS .. (``_down_columns``). HALF_TILE:
+    ``_full_tiles``. PDL_TRIGGER: the kernel after it (finalize, a dependent launch) may
+    start once this one's programs have all started (``pdl``)."""
     allow_dependent_launch(PDL_TRIGGER)
     e = tl.program_id(0)
-    if COLS > 1:
-        _down_columns(h_ptr, hv_ptr, counts_ptr, pairs_ptr, generation_ptr, w_ptr, ws_ptr,
-                      rows_ptr, e, tl.program_id(1) * COLS, num_experts, wide_rows, LATENT,
-                      INTER, ROW_BLOCK, WIDE_SCALES, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K,
-                      NUM_STAGES, COLS, MASK_ROWS)
-    else:
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < LATENT
-        n_in = _clamped(n, LATENT)
-        count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
-                                          num_experts, wide_rows)
-        w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // (8 if DECODE else 2))
-        ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
-        for m0 in range(0, count, BLOCK_M):
-            pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-            acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr,
-                          pair, m_ok, w_e, ws_e, n_in, INTER, MASK_ROWS, A_BF16, DECODE,
-                          STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, BLOCK_N,
-                          BLOCK_K, NUM_STAGES)
-            tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
-                     f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & n_ok[None, :])
+    count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
+                                      num_experts, wide_rows)
+    w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // (8 if DECODE else 2))
+    ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
+    full = _full_tiles(count, BLOCK_M, HALF_TILE)
+    for m0 in range(0, full, BLOCK_M):
+        _down_tile(h_ptr, hs_ptr, hv_ptr, list_ptr, m0, count, w_e, ws_e, rows_ptr, LATENT,
+                   INTER, A_BF16, ROW_BLOCK, WGMMA_ORDER, DECODE, STAGED, WIDE_SCALES,
+                   INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, COLS, MASK_ROWS)
+    if HALF_TILE:
+        for m0 in range(full, count, BLOCK_M // 2):
+            _down_tile(h_ptr, hs_ptr, hv_ptr, list_ptr, m0, count, w_e, ws_e, rows_ptr,
+                       LATENT, INTER, A_BF16, ROW_BLOCK, WGMMA_ORDER, DECODE, STAGED,
+                       WIDE_SCALES, INTERPRET, BLOCK_M // 2, BLOCK_N, BLOCK_K, NUM_STAGES,
+                       COLS, MASK_ROWS)
 
 
 @triton.jit
-def _down_columns(h_ptr, hv_ptr, counts_ptr, pairs_ptr, generation_ptr, w_ptr, ws_ptr,
-                  rows_ptr, e, j0, num_experts, wide_rows, LATENT: tl.constexpr,
+def _down_tile(h_ptr, hs_ptr, hv_ptr, list_ptr, m0, count, w_e, ws_e, rows_ptr,
+               LATENT: tl.constexpr, INTER: tl.constexpr, A_BF16: tl.constexpr,
+               ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
+               STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               NUM_STAGES: tl.constexpr, COLS: tl.constexpr, MASK_ROWS: tl.constexpr):
+    """The down kernel's program columns for list entries m0 .. m0+BLOCK_M-1."""
+    pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
+    if COLS > 1:
+        _down_columns(hv_ptr, pair, m_ok, w_e, ws_e, rows_ptr, tl.program_id(1) * COLS,
+                      LATENT, INTER, ROW_BLOCK, WIDE_SCALES, INTERPRET, BLOCK_M, BLOCK_N,
+                      BLOCK_K, NUM_STAGES, COLS, MASK_ROWS)
+    else:
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr,
+                      pair, m_ok, w_e, ws_e, _clamped(n, LATENT), INTER, MASK_ROWS, A_BF16,
+                      DECODE, STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER,
+                      BLOCK_N, BLOCK_K, NUM_STAGES)
+        tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
+                 f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & (n < LATENT)[None, :])
+
+
+@triton.jit
+def _down_columns(hv_ptr, pair, m_ok, w_e, ws_e, rows_ptr, j0, LATENT: tl.constexpr,
                   INTER: tl.constexpr, ROW_BLOCK: tl.constexpr, WIDE_SCALES: tl.constexpr,
                   INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, COLS: tl.constexpr,
                   MASK_ROWS: tl.constexpr):
-    """The down launch's columns j0*BLOCK_N .. (j0+COLS)*BLOCK_N of expert e ("wgmma_decode"
-    weights, staged): the steps of the COLS column tiles in one pipelined loop, so that
-    the copies of the next tile's first steps overlap this tile's last, and the list walk
-    and pipeline fill are paid once for COLS tiles (I / BLOCK_K is only 3 steps a tile at
-    TP8). Each row's sum runs over the same steps in the same order as with COLS = 1."""
+    """The down launch's columns j0*BLOCK_N .. (j0+COLS)*BLOCK_N of one tile of pairs
+    ("wgmma_decode" weights, staged): the steps of the COLS column tiles in one pipelined
+    loop, so that the copies of the next tile's first steps overlap this tile's last, and
+    the list walk and pipeline fill are paid once for COLS tiles (I / BLOCK_K is only 3
+    steps a tile at TP8). Each row's sum runs over the same steps in the same order as
+    with COLS = 1."""
     STEPS: tl.constexpr = INTER // BLOCK_K
-    count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
-                                      num_experts, wide_rows)
-    w_e = w_ptr + e.to(tl.int64) * (LATENT * INTER // 8)
-    ws_e = ws_ptr + e.to(tl.int64) * (LATENT * INTER // 32)
-    for m0 in range(0, count, BLOCK_M):
-        pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-        for it in tl.range(0, COLS * STEPS, num_stages=NUM_STAGES):
-            n = (j0 + it // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
-            k0 = (it % STEPS) * BLOCK_K
-            a = _staged_activations(hv_ptr, pair, m_ok, k0, INTER, MASK_ROWS, BLOCK_K)
-            w = _decoded_weights(w_e, ws_e, _clamped(n, LATENT), k0, INTER, BLOCK_N, BLOCK_K,
-                                 ROW_BLOCK, WIDE_SCALES, INTERPRET)
-            acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
-            if it % STEPS == STEPS - 1:
-                tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
-                         f32_to_bf16_bits(tl.trans(acc)),
-                         mask=m_ok[:, None] & (n < LATENT)[None, :])
-                acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for it in tl.range(0, COLS * STEPS, num_stages=NUM_STAGES):
+        n = (j0 + it // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k0 = (it % STEPS) * BLOCK_K
+        a = _staged_activations(hv_ptr, pair, m_ok, k0, INTER, MASK_ROWS, BLOCK_K)
+        w = _decoded_weights(w_e, ws_e, _clamped(n, LATENT), k0, INTER, BLOCK_N, BLOCK_K,
+                             ROW_BLOCK, WIDE_SCALES, INTERPRET)
+        acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
+        if it % STEPS == STEPS - 1:
+            tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
+                     f32_to_bf16_bits(tl.trans(acc)),
+                     mask=m_ok[:, None] & (n < LATENT)[None, :])
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
 
 
 @triton.jit
@@ -1103,6 +1161,11 @@ def _check_config(name: str, config: dict) -> dict:
         raise ValueError(f"{name}['COLS'] must be a power of two >= 1, got {cols!r}")
     if config.get("MASK_ROWS", 0) not in (0, 1):
         raise ValueError(f"{name}['MASK_ROWS'] must be 0 or 1, got {config['MASK_ROWS']!r}")
+    if config.get("HALF_TILE", 0) not in (0, 1):
+        raise ValueError(f"{name}['HALF_TILE'] must be 0 or 1, got {config['HALF_TILE']!r}")
+    if config.get("HALF_TILE", 0) and m < 32:
+        raise ValueError(f"{name}['HALF_TILE'] needs BLOCK_M >= 32 (a half tile has at "
+                         f"least 16 rows, the MMA's least), got BLOCK_M {m}")
     if config["A_BF16"] not in (0, 1):
         raise ValueError(f"{name}['A_BF16'] must be 0 or 1, got {config['A_BF16']}")
     return config
@@ -1259,7 +1322,7 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         WIDE_SCALES=weights.wide_scales_up,
         BLOCK_M=cfg_up["BLOCK_M"], BLOCK_N=cfg_up["BLOCK_N"], BLOCK_K=weights.block_k_up,
         NUM_STAGES=cfg_up["num_stages"], MASK_ROWS=cfg_up.get("MASK_ROWS", 0),
-        **_launch_options(cfg_up))
+        HALF_TILE=cfg_up.get("HALF_TILE", 0), **_launch_options(cfg_up))
     cols = cfg_down.get("COLS", 1)
     _experts_down_kernel[(E, triton.cdiv(triton.cdiv(L, cfg_down["BLOCK_N"]), cols))](
         ws.h_codes, ws.h_scales, ws.h_values, counts, pairs, generation, codes(weights.w2),
@@ -1268,6 +1331,7 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         WIDE_SCALES=weights.wide_scales_down,
         BLOCK_M=cfg_down["BLOCK_M"], BLOCK_N=cfg_down["BLOCK_N"],
         BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"], COLS=cols,
-        MASK_ROWS=cfg_down.get("MASK_ROWS", 0), PDL_TRIGGER=dependent_launch(device),
+        MASK_ROWS=cfg_down.get("MASK_ROWS", 0), HALF_TILE=cfg_down.get("HALF_TILE", 0),
+        PDL_TRIGGER=dependent_launch(device),
         **_launch_options(cfg_down))
     return rows
