@@ -373,3 +373,41 @@ def test_shipped_front_entries_lie_in_the_space_and_share_a_reduction(path):
             assert len(orders) == 1, (kernel, shape, orders)
             for bucket, config in buckets.items():
                 assert dict(sorted(config.items())) in space, (kernel, shape, bucket, config)
+
+
+def _stub_every_kernel(monkeypatch) -> None:
+    """Replace every Triton kernel of the package by one whose launches do nothing."""
+    import importlib
+    import pkgutil
+    import triton
+    from wide_moe_triton import kernels
+
+    class NoOp:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"{kernels.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            if isinstance(obj, triton.runtime.jit.KernelInterface):  # compiled or interpreted
+                monkeypatch.setattr(module, name, NoOp())
+
+
+@given(st.sampled_from([1, 5]))
+def test_a_config_that_writes_nothing_fails_its_check(b):
+    """Every case's default passes its check; with every kernel launching nothing, every
+    case fails it, though the buffers still hold the good run's results (the sweep
+    poisons them first): a config that writes nothing is never timed, never chosen."""
+    from wide_moe_triton import WideMoEConfig
+    import torch
+
+    cfg = WideMoEConfig.tiny(tp=1)
+    gen = torch.Generator(device=DEVICE).manual_seed(b)
+    all_cases = list(tune.cases(cfg, b, gen, tune.random_expert_weights(cfg, gen)))
+    assert len({c.kernel for c in all_cases}) == len(all_cases)
+    passed = {c.kernel: tune.time_config(c, c.default) is not None for c in all_cases}
+    assert all(passed.values()), passed
+    with pytest.MonkeyPatch.context() as patch:
+        _stub_every_kernel(patch)
+        written = {c.kernel: tune.time_config(c, c.default) is not None for c in all_cases}
+    assert not any(written.values()), written

@@ -61,15 +61,28 @@ class Case:
     and ``quick_random`` random configs. ``reduction_keys``: keys that set the reduction
     order, one choice per shape (``choose_reduction``); ``pair_keys``: keys tried with
     each reduction choice, in every combination, before it is chosen (how the splits
-    run)."""
+    run). ``outputs``: the buffers ``run`` writes and those it reads back (the experts'
+    hidden), poisoned before each checked run (``poison``), so that a config that writes
+    nothing fails its check instead of passing on an earlier config's results."""
 
     def __init__(self, kernel, shape, space, default, run, ok, reduction_keys=(), priors=(),
-                 quick_near=None, quick_keys=None, quick_random=3, pair_keys=()):
+                 quick_near=None, quick_keys=None, quick_random=3, pair_keys=(), outputs=()):
         self.kernel, self.shape, self.space, self.default = kernel, shape, space, default
         self.run, self.ok, self.reduction_keys = run, ok, tuple(reduction_keys)
+        self.outputs = tuple(outputs)
         self.priors = [dict(p) for p in priors]
         self.quick_near, self.quick_keys, self.quick_random = quick_near, quick_keys, quick_random
         self.pair_keys = tuple(pair_keys)
+
+
+def poison(*tensors: torch.Tensor) -> None:
+    """Fill buffers with a pattern no kernel writes: NaN for floats, 0xA5 bytes for
+    integers (an E4M3 code and a scale byte of neither the data nor the checks)."""
+    for t in tensors:
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        else:
+            t.view(torch.uint8).fill_(0xA5)
 
 
 def _equal(ref):
@@ -104,31 +117,39 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     yield Case(frk.KERNEL, frk.shape_key(N, H), frk.SPACE, frk.default_config(N, H, b),
                lambda c: frk.front_gemm(x, packed, out=front_out, config=c),
                _close(x.double() @ packed.double().t(), 1e-5), frk.REDUCTION_KEYS,
-               priors=FRONT_PRIORS, pair_keys=FRONT_PAIR_KEYS)
+               priors=FRONT_PRIORS, pair_keys=FRONT_PAIR_KEYS, outputs=(front_out,))
 
     logits, bias = rnd(b, E), rnd(E) * 1e-3  # a balanced load, as after training
     lists = rk.RoutingLists.empty(E, max(b, 1), dev)
     ids_ref = reference.route(logits, bias, K, True, cfg.routed_scaling_factor)
+    routed = (torch.empty(b, K, dtype=torch.int32, device=dev),
+              torch.empty(b, K, dtype=torch.bfloat16, device=dev))
 
     def route(c):
         lists.counts.zero_()
-        return rk.route(logits, bias, K, True, cfg.routed_scaling_factor, lists=lists, config=c)
+        return rk.route(logits, bias, K, True, cfg.routed_scaling_factor, lists=lists,
+                        ids=routed[0], weights=routed[1], config=c)
     # The route compiles in 10-25 s a config (Triton 3.6, sm_90): --quick tries the
     # default's neighbours only, no random configs.
     yield Case(rk.KERNEL, rk.shape_key(E, K), rk.SPACE, rk.DEFAULT, route, _equal(ids_ref),
-               quick_random=0)
+               quick_random=0, outputs=routed)
 
     latent = rnd(b, L).bfloat16()
     plan_ref = mx.quantize_mxfp8(latent)
+    planned = (torch.empty(b, L, dtype=torch.uint8, device=dev),
+               torch.empty(b, L // 32, dtype=torch.uint8, device=dev))
     yield Case(pk.KERNEL, pk.shape_key(L), pk.SPACE, pk.DEFAULT,
-               lambda c: pk.quantize_mxfp8(latent, config=c), _equal(plan_ref))
+               lambda c: pk.quantize_mxfp8(latent, out=planned, config=c), _equal(plan_ref),
+               outputs=planned)
 
     def route_plan(c):  # the layer's launch: route, claims and plan together
         lists.counts.zero_()
         return rk.route_and_plan(logits, latent, bias, K, True, cfg.routed_scaling_factor,
-                                 lists=lists, config=c)
+                                 lists=lists, ids=routed[0], weights=routed[1], out=planned,
+                                 config=c)
     yield Case(rk.KERNEL_PLAN, rk.shape_key(E, K, L), rk.SPACE_PLAN, rk.DEFAULT_PLAN,
-               route_plan, _equal((*ids_ref, *plan_ref)), quick_random=0)
+               route_plan, _equal((*ids_ref, *plan_ref)), quick_random=0,
+               outputs=(*routed, *planned))
 
     ids, _ = ids_ref
     q, qs = plan_ref
@@ -155,23 +176,28 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     key = ek.shape_key(L, I, E) + t.suffix
     # --quick: the priors (and the shipped table's configs) and the default's neighbours,
     # no random configs: each check and timing runs both GEMMs over every expert.
+    # The hidden too: an up config that writes none would leave the last one's to down.
+    written = (rows, *ws)
     yield Case(ek.KERNEL_UP, key, t.space_up, t.default_up,
                lambda c: experts(c, t.default_down), ok_rows, priors=t.priors_up,
-               quick_random=0)
+               quick_random=0, outputs=written)
     yield Case(ek.KERNEL_DOWN, key, t.space_down, t.default_down,
                lambda c: experts(t.default_up, c), ok_rows, priors=t.priors_down,
-               quick_random=0)
+               quick_random=0, outputs=written)
 
     expanded = rnd(b * K, L).bfloat16()
     wts = (rnd(b, K) * 0.2).bfloat16()
+    combined = torch.empty(b, L, dtype=torch.bfloat16, device=dev)
     yield Case(fk.KERNEL, fk.shape_key(L, K), fk.SPACE, fk.DEFAULT,
-               lambda c: fk.finalize(expanded, wts, config=c),
-               _equal(reference.finalize(expanded, wts)))
+               lambda c: fk.finalize(expanded, wts, out=combined, config=c),
+               _equal(reference.finalize(expanded, wts)), outputs=(combined,))
 
     norm_w = (1 + 0.1 * rnd(L)).bfloat16()
+    norm_out = torch.empty(b, L, dtype=torch.bfloat16, device=dev)
     yield Case(tk.KERNEL, tk.shape_key(L), tk.SPACE, tk.DEFAULT,
-               lambda c: tk.rms_norm(latent, norm_w, cfg.rms_eps, config=c),
-               _close(reference.rms_norm(latent, norm_w, cfg.rms_eps), 2 ** -8))
+               lambda c: tk.rms_norm(latent, norm_w, cfg.rms_eps, out=norm_out, config=c),
+               _close(reference.rms_norm(latent, norm_w, cfg.rms_eps), 2 ** -8),
+               outputs=(norm_out,))
 
     yield from linear_cases(cfg, b, x, rnd)
 
@@ -202,10 +228,11 @@ def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
     H, L, S, Hr = cfg.hidden, cfg.latent, cfg.shared_per_rank, cfg.hidden_per_rank
     bf16 = torch.bfloat16
 
-    def case(kernel, N, K, run, expected):
+    def case(kernel, N, K, run, expected, out):
         return Case(kernel, frk.shape_key(N, K), frk.SPACE, frk.default_config(N, K, b), run,
                     _close(expected, 1e-2), frk.REDUCTION_KEYS, priors=FRONT_PRIORS,
-                    quick_near=QUICK_LINEAR, quick_random=0, pair_keys=FRONT_PAIR_KEYS)
+                    quick_near=QUICK_LINEAR, quick_random=0, pair_keys=FRONT_PAIR_KEYS,
+                    outputs=(out,))
 
     gate_up = (rnd(2 * S, H) * H ** -0.5).to(bf16)
     pairs = sk.interleave_gate_up(gate_up)
@@ -214,13 +241,13 @@ def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
     yield case(sk.KERNEL_GATE_UP, 2 * S, H,
                lambda c: frk.linear_situ(x, pairs, cfg.beta, cfg.linear_beta, out=hidden,
                                          kernel=sk.KERNEL_GATE_UP, config=c),
-               reference.situ(gu[:, :S], gu[:, S:], cfg.beta, cfg.linear_beta))
+               reference.situ(gu[:, :S], gu[:, S:], cfg.beta, cfg.linear_beta), hidden)
 
     h, down = rnd(b, S).to(bf16), (rnd(H, S) * S ** -0.5).to(bf16)
     shared_out = torch.empty(b, H, dtype=bf16, device=dev)
     yield case(sk.KERNEL_DOWN, H, S,
                lambda c: frk.linear(h, down, out=shared_out, kernel=sk.KERNEL_DOWN, config=c),
-               h.double() @ down.double().t())
+               h.double() @ down.double().t(), shared_out)
 
     # As in the layer: this rank's columns of a [b, H] shared partial, added into in
     # place, so each run starts from a copy of the same partial (a copy every config pays).
@@ -231,8 +258,10 @@ def linear_cases(cfg: WideMoEConfig, b: int, x: torch.Tensor, rnd):
     def up_projection(c):
         cols.copy_(start)
         return tk.add_up_projection(normed, up, cols, config=c)
+    # (poisoned before the copy, which overwrites it: a run that adds nothing fails on
+    # the partial alone)
     yield case(tk.KERNEL_UP, Hr, L, up_projection,
-               start.double() + normed.double() @ up.double().t())
+               start.double() + normed.double() @ up.double().t(), cols)
 
 
 def random_expert_weights(cfg: WideMoEConfig, gen: torch.Generator,
@@ -264,6 +293,7 @@ def time_config(case: Case, config: dict, rep: int = 20) -> float | None:
 
     cuda = torch.cuda.is_available()
     try:
+        poison(*case.outputs)
         start = time.perf_counter()
         out = case.run(config)
         if cuda:
