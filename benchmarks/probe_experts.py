@@ -93,13 +93,6 @@ def timed_us(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
 
-class _Stub:
-    """A kernel handle whose launches do nothing."""
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-
 @contextlib.contextmanager
 def launching(up, down):
     """Within: ``ex.experts`` launches the kernel handles ``up`` and ``down`` (the
@@ -110,12 +103,6 @@ def launching(up, down):
         yield
     finally:
         ex._experts_up_kernel, ex._experts_down_kernel = saved
-
-
-def only(kind: str | None):
-    """Run only the ``kind`` launch ("up" or "down") of ``ex.experts``; None: both."""
-    return launching(_Stub() if kind == "down" else ex._experts_up_kernel,
-                     _Stub() if kind == "up" else ex._experts_down_kernel)
 
 
 def load_variant(path: str):
@@ -193,7 +180,7 @@ class Batch:
         return ((out - self.ref.double()).norm() / self.ref.double().norm()).item()
 
     def time_launch(self, kind, up, down, weights=None) -> float:
-        with only(kind):
+        with ex.only_launch(kind):
             return timed_us(lambda: self.run(up, down, weights))
 
 

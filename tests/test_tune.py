@@ -411,3 +411,43 @@ def test_a_config_that_writes_nothing_fails_its_check(b):
         _stub_every_kernel(patch)
         written = {c.kernel: tune.time_config(c, c.default) is not None for c in all_cases}
     assert not any(written.values()), written
+
+
+def test_experts_cases_time_the_launch_they_sweep(monkeypatch):
+    """An experts case checks the whole call (both launches) but times only the launch
+    it sweeps; the handles are the shipped ones again afterwards."""
+    from wide_moe_triton import WideMoEConfig
+    from wide_moe_triton.kernels import experts as ex
+    import torch
+
+    cfg = WideMoEConfig.tiny(tp=1)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    got = {c.kernel: c for c in tune.cases(cfg, 3, gen, tune.random_expert_weights(cfg, gen))
+           if c.kernel in (ex.KERNEL_UP, ex.KERNEL_DOWN)}
+    launched = []
+
+    class Counting:
+        def __init__(self, kind, kernel):
+            self.kind, self.kernel = kind, kernel
+
+        def __getitem__(self, grid):
+            launched.append(self.kind)
+            return self.kernel[grid]
+
+    handles = {"up": Counting("up", ex._experts_up_kernel),
+               "down": Counting("down", ex._experts_down_kernel)}
+    monkeypatch.setattr(ex, "_experts_up_kernel", handles["up"])
+    monkeypatch.setattr(ex, "_experts_down_kernel", handles["down"])
+    for kernel, kind in ((ex.KERNEL_UP, "up"), (ex.KERNEL_DOWN, "down")):
+        case = got[kernel]
+        launched.clear()
+        case.run(case.default)
+        assert launched == ["up", "down"]
+        launched.clear()
+        case.timed(case.default)
+        assert launched == [kind]
+        assert (ex._experts_up_kernel, ex._experts_down_kernel) == \
+            (handles["up"], handles["down"])
+    with pytest.raises(ValueError, match="^kind must be"):
+        with ex.only_launch("both"):
+            pass

@@ -58,6 +58,7 @@ streams faster is measured.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import NamedTuple
@@ -1241,6 +1242,33 @@ def _launch_options(config: dict) -> dict:
     if config.get("maxnreg"):
         options["maxnreg"] = config["maxnreg"]
     return options
+
+
+class _NoLaunch:
+    """A kernel handle whose launches do nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def only_launch(kind: str):
+    """Within: ``experts`` launches only its ``kind`` kernel ("up" or "down") and skips the
+    other, so that one launch can be timed alone (the tuner, the benchmarks). The skipped
+    launch's outputs keep what an earlier call wrote (down reads the hidden the last up
+    launch left in the workspace). It swaps module globals: not for concurrent callers."""
+    global _experts_up_kernel, _experts_down_kernel
+    if kind not in ("up", "down"):
+        raise ValueError(f"kind must be 'up' or 'down', got {kind!r}")
+    saved = _experts_up_kernel, _experts_down_kernel
+    if kind == "up":
+        _experts_down_kernel = _NoLaunch()
+    else:
+        _experts_up_kernel = _NoLaunch()
+    try:
+        yield
+    finally:
+        _experts_up_kernel, _experts_down_kernel = saved
 
 
 def _plan_values(q: torch.Tensor, q_scales: torch.Tensor, out: torch.Tensor) -> None:
