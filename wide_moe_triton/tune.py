@@ -79,8 +79,9 @@ class Case:
 
 
 def poison(*tensors: torch.Tensor) -> None:
-    """Fill buffers with a pattern no kernel writes: NaN for floats, 0xA5 bytes for
-    integers (an E4M3 code and a scale byte of neither the data nor the checks)."""
+    """Fill buffers with what a kernel that writes nothing would leave for its check to
+    reject: NaN for floats, 0xA5 in every byte of integers (ids out of range, codes and
+    scale bytes a reference holds everywhere only by chance)."""
     for t in tensors:
         if t.is_floating_point():
             t.fill_(float("nan"))

@@ -41,11 +41,11 @@ How the weights stream (Hopper; benchmarks/NOTES.md has the measurements):
 Reproducibility: an output row of an MMA depends only on its own input row and on the
 order of the reduction, which is fixed by BLOCK_K (chosen per shape, at
 ``prepare_weights``, never per batch width). So rows do not depend on the claim order
-within a list nor on which other tokens share the batch; only BLOCK_M, BLOCK_N, A_BF16,
-num_warps, num_stages and maxnreg vary with the batch-width bucket. (On a GPU, Triton
-may pick a different MMA instruction for another BLOCK_M or num_warps; that it sums a
-row in the same order is the hardware's property, which tests/test_experts.py checks
-bit for bit.)
+within a list nor on which other tokens share the batch; only the launch config
+(CONFIG_KEYS, and STAGED_KEYS on the staged path) varies with the batch-width bucket.
+(On a GPU, Triton may pick a different MMA instruction for another BLOCK_M, a half
+tile or num_warps; that it sums a row in the same order is the hardware's property,
+which tests/test_experts.py checks bit for bit.)
 
 ``A_BF16`` (a config choice, 0/1; 1 for "wgmma_decode"): feed the activations to the
 dot as E4M3 codes with their scales, or as their BF16 values, computed once ahead (the
