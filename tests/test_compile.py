@@ -150,23 +150,26 @@ def run_stage_workload():
 def run_experts_workload():
     """The experts in every weight layout and activation format (the up and the down
     launch's set apart), at the default and the wide-tile configs, and decode-layout
-    weights with scale bytes above 128."""
+    weights with scale bytes above 128 and in 32-row tiles ending in a half tile."""
     inter, b = 32, 9
     ids, (q, qs) = make_ids("random", b, 0), make_plan(b, 0)
     w13, w13_s, w2, w2_s = stock_weights(inter)
     lifted = tuple((s.int() + 40).clamp(max=254).to(torch.uint8) for s in (w13_s, w2_s))
-    variants = [(layout, (w13, w13_s, w2, w2_s), a_bf16, wide)
+    variants = [(layout, (w13, w13_s, w2, w2_s), a_bf16, wide, {})
                 for layout in ex.LAYOUTS for a_bf16 in ((0, 0), (1, 0), (0, 1), (1, 1))
                 for wide in (False, True)
                 if layout != "wgmma_decode" or a_bf16 == (1, 1)]
-    variants.append(("wgmma_decode", (w13, lifted[0], w2, lifted[1]), (1, 1), False))
-    for layout, stock, a_bf16, wide in variants:
+    variants.append(("wgmma_decode", (w13, lifted[0], w2, lifted[1]), (1, 1), False, {}))
+    # 32-row tiles ending in a half tile (HALF_TILE: both tile heights in one kernel)
+    variants.append(("wgmma_decode", (w13, w13_s, w2, w2_s), (1, 1), False,
+                     dict(BLOCK_M=32, HALF_TILE=1)))
+    for layout, stock, a_bf16, wide, keys in variants:
         weights = ex.prepare_weights(*stock, layout=layout)
         counts, pairs, gen = ex.routing_lists(ids, E, WIDE_ROWS)
         rows = poison(torch.empty(b * K, L, dtype=torch.bfloat16))
         up, down = configs(a_bf16, wide, layout)
         ex.experts(q, qs, weights, counts, pairs, gen, K, BETA, LINEAR_BETA, rows=rows,
-                   config_up=up, config_down=down)
+                   config_up=dict(up, **keys), config_down=dict(down, **keys))
         assert not torch.isnan(rows.float()).any(), f"{layout} {a_bf16}: rows left unwritten"
 
 
