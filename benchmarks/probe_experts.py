@@ -2,6 +2,7 @@
 
     python benchmarks/probe_experts.py [--tp 8] [--batches 65 256 1024]
         [--layouts wgmma wgmma_decode] [--no-untiled] [--top N] [--variant FILE]
+        [--up JSON] [--down JSON] [--block-k-up N] [--block-k-down N]
 
 What produced the "experts v1" table of benchmarks/NOTES.md. At rank-local Kimi-K3 dims
 (experts drawn like ``LatentMoE``'s, a balanced routing) and each batch width, every
@@ -13,7 +14,11 @@ isolates what the tiled "wgmma" layout buys. ``--variant FILE``: a copy of
 ``kernels/experts.py`` with other kernel bodies (e.g. ``git show
 BRANCH:wide_moe_triton/kernels/experts.py > benchmarks/variant.py``); the best pair is
 then checked and timed again with its kernels, each launch alone and together, in the
-same run as the shipped ones. Floors: the bytes each launch must move over
+same run as the shipped ones. ``--up``/``--down``: JSON lists of configs probed instead
+of a layout's lists (the first is the other launch's while one is probed), e.g.
+``--up '[{"BLOCK_M": 32, "BLOCK_N": 64, "A_BF16": 1, "num_warps": 4, "num_stages": 3,
+"maxnreg": 112}]'``; ``--block-k-up``/``--block-k-down``: weights prepared with other
+reduction steps (``prepare_weights``). Floors: the bytes each launch must move over
 the copy bandwidth measured at the start. Without a GPU it runs the tiny dims in Triton's
 interpreter and times nothing (a check of the script itself).
 """
@@ -24,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import importlib.util
+import json
 import pathlib
 import sys
 
@@ -77,7 +83,6 @@ DOWN_DECODE = [ex.DEFAULT_DOWN_STAGED, *ex.PRIORS_DOWN_STAGED, *(
     *(dict(c, MASK_ROWS=1, COLS=4, HALF_TILE=h) for c, h in zip(ex.config_rows(
         [(32, 128, 1, 4, 4, 168), (32, 128, 1, 4, 3, 168), (32, 128, 1, 4, 3, 128)]),
         (0, 1, 1)))]
-REF_UP_DECODE, REF_DOWN_DECODE = UP_DECODE[0], DOWN_DECODE[0]
 
 
 def copy_bandwidth() -> float:
@@ -226,7 +231,18 @@ def main(argv=None) -> int:
                    help="probe only the first N configs of each list (0: all)")
     p.add_argument("--variant", metavar="FILE",
                    help="a copy of kernels/experts.py whose kernels time the best pair again")
+    p.add_argument("--up", type=json.loads, metavar="JSON",
+                   help="a JSON list of up configs, probed instead of the layout's list")
+    p.add_argument("--down", type=json.loads, metavar="JSON",
+                   help="a JSON list of down configs, probed instead of the layout's list")
+    p.add_argument("--block-k-up", type=int, help="the up weights' reduction step")
+    p.add_argument("--block-k-down", type=int, help="the down weights' reduction step")
     args = p.parse_args(argv)
+    for name in ("up", "down"):
+        given = getattr(args, name)
+        if given is not None and not (isinstance(given, list) and given
+                                      and all(isinstance(c, dict) for c in given)):
+            p.error(f"--{name} must be a non-empty JSON list of config objects")
     variant = load_variant(args.variant) if args.variant else None
     top = (lambda configs: configs[:args.top]) if args.top else (lambda configs: configs)
     copy_bw = copy_bandwidth()
@@ -237,12 +253,18 @@ def main(argv=None) -> int:
     weights = tune.random_expert_weights(cfg, gen, layout="wgmma")
     weights["stock"] = (weights["w13"], weights["w13_scales"], weights["w2"],
                         weights["w2_scales"])
+    steps = dict(block_k_up=args.block_k_up, block_k_down=args.block_k_down)
+    if args.block_k_up or args.block_k_down:
+        weights["prepared"] = ex.prepare_weights(*weights["stock"], layout="wgmma", **steps)
     row_major = None if args.no_untiled else untiled(weights["prepared"])
-    by_layout = {"wgmma": (weights["prepared"], top(UP), top(DOWN), (REF_UP, REF_DOWN))}
+
+    def lists(ups, downs):  # a layout's lists, or the command line's
+        ups, downs = args.up or top(ups), args.down or top(downs)
+        return ups, downs, (ups[0], downs[0])
+    by_layout = {"wgmma": (weights["prepared"], *lists(UP, DOWN))}
     if "wgmma_decode" in args.layouts:
-        decoded = ex.prepare_weights(*weights["stock"], layout="wgmma_decode")
-        by_layout["wgmma_decode"] = (decoded, top(UP_DECODE), top(DOWN_DECODE),
-                                     (REF_UP_DECODE, REF_DOWN_DECODE))
+        decoded = ex.prepare_weights(*weights["stock"], layout="wgmma_decode", **steps)
+        by_layout["wgmma_decode"] = (decoded, *lists(UP_DECODE, DOWN_DECODE))
     summary = []
     for b in args.batches:
         batch = Batch(cfg, weights, b, gen, copy_bw)
