@@ -81,12 +81,17 @@ class Case:
 def poison(*tensors: torch.Tensor) -> None:
     """Fill buffers with what a kernel that writes nothing would leave for its check to
     reject: NaN for floats, 0xA5 in every byte of integers (ids out of range, codes and
-    scale bytes a reference holds everywhere only by chance)."""
+    scale bytes a reference holds everywhere only by chance). The tests poison with it
+    too (tests/conftest.py)."""
     for t in tensors:
         if t.is_floating_point():
             t.fill_(float("nan"))
         else:
-            t.view(torch.uint8).fill_(0xA5)
+            size = t.element_size()
+            pattern = int.from_bytes(b"\xa5" * size, "little")
+            if torch.iinfo(t.dtype).min < 0:  # the same bytes, read as a signed integer
+                pattern -= 1 << (8 * size)
+            t.fill_(pattern)
 
 
 def _equal(ref):
