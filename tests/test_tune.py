@@ -311,6 +311,81 @@ def test_sweep_of_some_kernels_folds_into_the_table(monkeypatch, tmp_path):
     assert "other" not in whole["kernels"] and "S0" not in whole["kernels"]["plain"]
 
 
+@pytest.mark.parametrize("swept", [(64,), (256, 1024), (1024,)])
+def test_a_sweep_of_some_buckets_keeps_the_others(monkeypatch, tmp_path, swept):
+    """``--kernels`` with ``--batches`` of some buckets: a kernel without reduction keys
+    keeps the table's other buckets (the TP16 experts' b = 64 entry was dropped by a
+    re-sweep of 256-1024, ninth lease); a front-GEMM shape is replaced whole, since the
+    kept buckets may hold another reduction setting than the swept ones."""
+    out = sweep(monkeypatch, tmp_path, Model(8, 0.0))
+    first = json.loads(out.read_text())
+    shape = front.shape_key(560, 7168)
+    mark = {"tuned": 123456.0, "default": 123456.0}  # no Model time is this
+    first["timings_us"]["plain"]["S1"] = {str(b): dict(mark) for b in BUCKETS}
+    first["timings_us"]["front"][shape] = {str(b): dict(mark) for b in BUCKETS}
+    out.write_text(json.dumps(first))
+    again = json.loads(sweep(monkeypatch, tmp_path, Model(9, 0.0), "--fresh", "--kernels",
+                             "plain", "front", "--batches", *map(str, swept)).read_text())
+    plain = again["timings_us"]["plain"]["S1"]
+    assert sorted(map(int, plain)) == list(BUCKETS)
+    assert sorted(map(int, again["kernels"]["plain"]["S1"])) == list(BUCKETS)
+    for b in BUCKETS:
+        assert (plain[str(b)] == mark) == (b not in swept), b
+        if b not in swept:
+            assert again["kernels"]["plain"]["S1"][str(b)] == \
+                first["kernels"]["plain"]["S1"][str(b)]
+    assert sorted(map(int, again["kernels"]["front"][shape])) == sorted(swept)
+    assert all(t != mark for t in again["timings_us"]["front"][shape].values())
+
+
+class Unset(Fake):
+    """Fake cases whose "plain" kernel's fastest configs set a key its default lacks
+    (as the staged experts' HALF_TILE is absent from their default)."""
+
+    def __call__(self, cfg, b, gen, weights):
+        for case in super().__call__(cfg, b, gen, weights):
+            if case.kernel == "plain":
+                case.space = case.space + [{"X": x, "Y": 1} for x in range(3)]
+            yield case
+
+
+class FastWithY(Model):
+    def time(self, case, config, rep=20):
+        if case.kernel != "plain":
+            return super().time(case, config, rep)
+        return 1.0 if "Y" in config else 2.0 + config["X"]
+
+
+def test_a_tuned_key_the_default_lacks_is_reported_unset(monkeypatch, tmp_path):
+    """The report names the default's value of each key the tuned config changed; a key
+    the default lacks is "unset" (the sweep stopped at a KeyError there, ninth lease)."""
+    model = FastWithY(10, 0.0)
+    monkeypatch.setattr(tune, "_time_again", lambda: False)
+    monkeypatch.setattr(tune, "cases", Unset(model))
+    monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen, layout: None)
+    monkeypatch.setattr(tune, "time_config", model.time)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "table.json"
+    assert tune.main(["--dry-run", "--quick", "--tp", "1", "--workers", "1", "--out", str(out),
+                      "--batches", *map(str, BUCKETS), "--kernels", "plain"]) == 0
+    table = json.loads(out.read_text())
+    assert all(c.get("Y") == 1 for c in table["kernels"]["plain"]["S1"].values())
+    rows = [r for r in out.with_suffix(".md").read_text().splitlines()
+            if r.startswith("| plain | S1 |")]
+    assert len(rows) == len(BUCKETS) and all("Y 1 (unset)" in r for r in rows), rows
+
+
+@given(st.dictionaries(st.sampled_from("ABC"), st.integers(0, 2)),
+       st.dictionaries(st.sampled_from("ABC"), st.integers(0, 2)))
+def test_changed_keys_lists_exactly_the_keys_that_differ(config, default):
+    got = tune.changed_keys(dict(config, _us=1.0), default)
+    listed = [part.split(" ")[0] for part in got.split(", ")] if got else []
+    assert listed == [k for k in config if default.get(k, "absent") != config[k]]
+    for part in filter(None, got.split(", ")):
+        k, v, was = part.split(" ")
+        assert int(v) == config[k] and was == (f"({default[k]})" if k in default else "(unset)")
+
+
 @given(st.sampled_from(["wgmma", "wgmma_decode", "nk"]), st.sampled_from([1, 65]))
 def test_experts_cases_tune_the_layout_asked_for(layout, b):
     """``--experts-layout``: the experts are prepared in that layout, and their cases

@@ -706,29 +706,44 @@ def _finish(g: Group, args) -> None:
             best_us = g.times[b][_key(best)]
         elif again and best_us > default_us and _holds(default, g.setting):
             best, best_us = default, default_us
-        changed = ", ".join(f"{k} {v} ({case.default[k]})" for k, v in best.items()
-                            if case.default.get(k) != v)
         best["_us"], best["_default_us"] = round(best_us, 2), round(default_us, 2)
-        best["_changed"] = changed
+        best["_changed"] = changed_keys(best, case.default)
+        # Whether the table may take this shape's buckets from two sweeps (``_fold``).
+        best["_reduction"] = list(case.reduction_keys)
         slot[str(b)] = best
     partial = pathlib.Path(args.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
     partial.write_text(json.dumps(args.done, indent=1))
 
 
-def _fold(old: dict, new: dict) -> dict:
-    """{kernel: {shape: ...}} of ``old`` with every (kernel, shape) of ``new`` replacing
-    its entry whole (one reduction setting a shape: never mix buckets of two sweeps)."""
-    out = {k: dict(shapes) for k, shapes in old.items()}
+def changed_keys(config: dict, default: dict) -> str:
+    """The report's "tuned keys (default's)": each key of ``config`` whose value differs
+    from ``default``'s, with the default's value, or "unset" for a key it lacks (the
+    staged experts' HALF_TILE, say)."""
+    return ", ".join(f"{k} {v} ({default[k] if k in default else 'unset'})"
+                     for k, v in config.items() if not k.startswith("_")
+                     and (k not in default or default[k] != v))
+
+
+def _fold(old: dict, new: dict, whole: set) -> dict:
+    """{kernel: {shape: {bucket: ...}}} of ``old`` with ``new``'s entries laid over it
+    bucket by bucket, so that a sweep of some buckets keeps the table's others; except
+    the (kernel, shape) pairs in ``whole``, which replace theirs whole: a kernel with
+    reduction keys has one reduction setting a shape, and the buckets of two sweeps may
+    hold two."""
+    out = {k: {s: dict(buckets) for s, buckets in shapes.items()} for k, shapes in old.items()}
     for kernel, shapes in new.items():
-        out.setdefault(kernel, {}).update(shapes)
+        for shape, buckets in shapes.items():
+            kept = {} if (kernel, shape) in whole else out.get(kernel, {}).get(shape, {})
+            out.setdefault(kernel, {})[shape] = {**kept, **buckets}
     return out
 
 
 def write_table(done: dict, path: pathlib.Path, args=None) -> None:
     """The table of the sweep ``done`` at ``path``. A sweep of some kernels only
-    (``--kernels``) folds into the table already there: the shapes it swept replace
-    theirs, every other entry stays."""
+    (``--kernels``) folds into the table already there (``_fold``): the buckets it
+    swept replace theirs, every other entry stays; a shape of a kernel with reduction
+    keys is replaced whole."""
     import triton
 
     name = tuning.gpu_name() or "interpreter (dry run)"
@@ -749,8 +764,12 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
                           f"{' (stopped at --time-limit: incomplete)' if args.stopped else ''}")
         if args.kernels and path.exists():
             old = json.loads(path.read_text())
-            table["kernels"] = _fold(old.get("kernels", {}), kernels)
-            table["timings_us"] = _fold(old.get("timings_us", {}), timings)
+            # An entry without the marker (a partial file of an older sweep) is taken
+            # as having reduction keys: replaced whole, as every entry was then.
+            whole = {(k, s) for k, shapes in done.items() for s, buckets in shapes.items()
+                     if any(c.get("_reduction", True) for c in buckets.values())}
+            table["kernels"] = _fold(old.get("kernels", {}), kernels, whole)
+            table["timings_us"] = _fold(old.get("timings_us", {}), timings, whole)
             table["sweep"] = f"{old.get('sweep', '?')}; then {table['sweep']}"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
