@@ -2,6 +2,11 @@
 
     /work/v36/bin/python benchmarks/sass_count.py [wgmma] [wgmma_decode]   (WIDE=1: the
     decode's wide-scale variant)
+        [--up JSON] [--down JSON] [--block-k-up N] [--block-k-down N]
+
+``--up`` / ``--down``: lists of configs counted instead of the defaults (as
+probe_experts.py takes them); ``--block-k-*``: another reduction step, as
+``prepare_weights(block_k_up=...)`` would lay the weights out.
 
 Compiles the up and down kernels ahead of time with Triton 3.6 for sm_90 at TP8
 production dims (L 3584, I 384, BLOCK_K as prepare_weights sets it) at DEFAULT_UP /
@@ -130,11 +135,32 @@ def report(kind, cfg, layout="wgmma", show=False):
                 f.write(text)
     return len(body) / elems
 
-if __name__ == "__main__":
-    layouts = sys.argv[1:] or ["wgmma"]
-    for layout in layouts:
+def main(argv=None) -> None:
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("layouts", nargs="*", default=["wgmma"])
+    p.add_argument("--up", type=json.loads, metavar="JSON", help="up configs to count")
+    p.add_argument("--down", type=json.loads, metavar="JSON", help="down configs to count")
+    p.add_argument("--block-k-up", type=int, help="the up weights' reduction step")
+    p.add_argument("--block-k-down", type=int, help="the down weights' reduction step")
+    args = p.parse_args(argv)
+    ex.BLOCK_K_UP = args.block_k_up or ex.BLOCK_K_UP
+    ex.BLOCK_K_DOWN = args.block_k_down or ex.BLOCK_K_DOWN
+    for layout in args.layouts:
         defaults = ((ex.DEFAULT_UP_STAGED, ex.DEFAULT_DOWN_STAGED) if layout == "wgmma_decode"
                     else (ex.DEFAULT_UP, ex.DEFAULT_DOWN))
+        given = (args.up, args.down)
+        if any(given):  # only the lists given
+            for kind, configs in zip(("up", "down"), given):
+                for cfg in configs or ():
+                    report(kind, cfg, layout)
+            continue
         for kind, cfg in zip(("up", "down"), defaults):
             for a in ((1,) if layout == "wgmma_decode" else (0, 1)):
                 report(kind, dict(cfg, A_BF16=a), layout)
+
+
+if __name__ == "__main__":
+    main()
