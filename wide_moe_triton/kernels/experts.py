@@ -153,16 +153,18 @@ PRIORS_DOWN_DECODE = config_rows([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 12
 # The staged path's: the probe's best at b = 1024 (32-row tiles; the eighth lease's,
 # the down one ending in a half tile) and the fifth lease's runners-up at b = 65-256.
 # Last, not yet timed: twice the rows on one warpgroup (up 128 hidden columns, down
-# 256 latent ones), whose loops issue 10-14% fewer instructions a weight element (the
-# wgmma descriptors and copies shared by twice the rows; AOT, ninth lease), at 242-255
-# registers, two programs a SM.
+# 256 latent ones), whose loops issue fewer instructions a weight element (the wgmma
+# descriptors and copies shared by twice the rows; AOT, ninth lease): uncapped, 10-14%
+# fewer at 242-255 registers (two programs a SM); capped at 168, 5-9% fewer with no
+# spill in the loop and three programs a SM, as many as the shipped 32-pair up tile.
 PRIORS_UP_STAGED = [dict(c, MASK_ROWS=m) for c, m in zip(config_rows(
     [(32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128), (16, 64, 1, 4, 3, 128),
-     (32, 128, 1, 4, 3, 0), (16, 128, 1, 4, 3, 0)]), (0, 0, 1, 0, 1))]
+     (32, 128, 1, 4, 3, 168), (16, 128, 1, 4, 3, 168), (32, 128, 1, 4, 3, 0),
+     (16, 128, 1, 4, 3, 0)]), (0, 0, 1, 0, 1, 0, 1))]
 PRIORS_DOWN_STAGED = [dict(c, MASK_ROWS=m, COLS=k, HALF_TILE=h) for c, m, k, h in zip(
     config_rows([(32, 128, 1, 4, 3, 128), (32, 256, 1, 8, 3, 128), (16, 256, 1, 8, 3, 128),
-                 (32, 256, 1, 4, 3, 0)]),
-    (1, 1, 1, 1), (4, 2, 2, 2), (1, 0, 0, 1))]
+                 (32, 256, 1, 4, 3, 168), (16, 256, 1, 4, 3, 168), (32, 256, 1, 4, 3, 0)]),
+    (1, 1, 1, 1, 1, 1), (4, 2, 2, 2, 2, 2), (1, 0, 0, 1, 0, 1))]
 
 
 class Tuning(NamedTuple):
