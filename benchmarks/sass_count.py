@@ -148,15 +148,15 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     ex.BLOCK_K_UP = args.block_k_up or ex.BLOCK_K_UP
     ex.BLOCK_K_DOWN = args.block_k_down or ex.BLOCK_K_DOWN
+    given = (args.up, args.down)
     for layout in args.layouts:
-        defaults = ((ex.DEFAULT_UP_STAGED, ex.DEFAULT_DOWN_STAGED) if layout == "wgmma_decode"
-                    else (ex.DEFAULT_UP, ex.DEFAULT_DOWN))
-        given = (args.up, args.down)
         if any(given):  # only the lists given
             for kind, configs in zip(("up", "down"), given):
                 for cfg in configs or ():
                     report(kind, cfg, layout)
             continue
+        defaults = ((ex.DEFAULT_UP_STAGED, ex.DEFAULT_DOWN_STAGED) if layout == "wgmma_decode"
+                    else (ex.DEFAULT_UP, ex.DEFAULT_DOWN))
         for kind, cfg in zip(("up", "down"), defaults):
             for a in ((1,) if layout == "wgmma_decode" else (0, 1)):
                 report(kind, dict(cfg, A_BF16=a), layout)

@@ -219,12 +219,12 @@ class Fake:
         yield plain
 
 
-def sweep(monkeypatch, tmp_path, model, *extra):
+def sweep(monkeypatch, tmp_path, model, *extra, fake=Fake):
     # ``ops`` (imported above) has defined every kernel before --dry-run sets
     # TRITON_INTERPRET here: a kernel module first imported under it on a GPU would define
     # interpreted kernels for the rest of the worker, and the compiled tests after it fail
     # ("Unsupported function referenced: InterpretedFunction", seen on the H200).
-    monkeypatch.setattr(tune, "cases", Fake(model))
+    monkeypatch.setattr(tune, "cases", fake(model))
     monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen, layout: None)
     monkeypatch.setattr(tune, "time_config", model.time)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # --dry-run sets it: restored after the test
@@ -359,15 +359,8 @@ class FastWithY(Model):
 def test_a_tuned_key_the_default_lacks_is_reported_unset(monkeypatch, tmp_path):
     """The report names the default's value of each key the tuned config changed; a key
     the default lacks is "unset" (the sweep stopped at a KeyError there, ninth lease)."""
-    model = FastWithY(10, 0.0)
     monkeypatch.setattr(tune, "_time_again", lambda: False)
-    monkeypatch.setattr(tune, "cases", Unset(model))
-    monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen, layout: None)
-    monkeypatch.setattr(tune, "time_config", model.time)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    out = tmp_path / "table.json"
-    assert tune.main(["--dry-run", "--quick", "--tp", "1", "--workers", "1", "--out", str(out),
-                      "--batches", *map(str, BUCKETS), "--kernels", "plain"]) == 0
+    out = sweep(monkeypatch, tmp_path, FastWithY(10, 0.0), "--kernels", "plain", fake=Unset)
     table = json.loads(out.read_text())
     assert all(c.get("Y") == 1 for c in table["kernels"]["plain"]["S1"].values())
     rows = [r for r in out.with_suffix(".md").read_text().splitlines()
