@@ -14,7 +14,8 @@ DEFAULT_DOWN (A_BF16 0 and 1; for "wgmma_decode" the staged path's defaults, A_B
 pointers specialized 16-aligned as the JIT does, and prints registers, stack (spills),
 the ttgir's local_alloc / convert_layout counts and the SASS histogram of the smallest
 loop holding HGMMA, per weight element a thread decodes an iteration (loop instructions
-x threads / elements)."""
+x threads / elements), and how many instructions lie outside that loop (what a tile or a
+program runs once: the pipeline's prologue, SiTU, the MXFP8 rounding, the stores)."""
 import collections
 import os
 import re
@@ -90,12 +91,17 @@ def sass_of(k):
     k.res = (int(field("REG")), f"{field('STACK')}B stack, local {field('LOCAL')}")
     return _cuobjdump("--dump-sass", path)
 
-def loops_by_labels(sass):
+def instructions(sass):
+    """(address, instruction) of each SASS line, the alignment NOPs left out."""
     insts = []
     for l in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", l)
-        if m:
+        if m and m.group(2) != "NOP":
             insts.append((int(m.group(1), 16), m.group(2)))
+    return insts
+
+def loops_by_labels(sass):
+    insts = instructions(sass)
     loops = []
     for i, (ad, ins) in enumerate(insts):
         m = re.search(r"BRA\s+0x([0-9a-f]+)", ins)
@@ -128,7 +134,9 @@ def report(kind, cfg, layout="wgmma", show=False):
           f"ttgir local_alloc {n_local} convert_layout {n_cvt}")
     print("   " + "  ".join(f"{op} {n / elems:.3f}" for op, n in h.most_common(16)))
     spills = sass.count("STL") + sass.count("LDL")
-    print(f"   spill ops in loop: {h['STL'] + h['LDL']}, in kernel: {spills}")
+    print(f"   spill ops in loop: {h['STL'] + h['LDL']}, in kernel: {spills}; "
+          f"outside the loop (once a tile or a program): "
+          f"{len(instructions(sass)) - len(body)} instr")
     if show:  # the listings, for reading
         for ext, text in (("ttgir", ttgir), ("sass", sass), ("ptx", k.asm["ptx"])):
             with open(f"{kind}_{layout}.{ext}", "w") as f:

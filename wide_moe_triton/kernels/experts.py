@@ -151,16 +151,16 @@ PRIORS_UP_DECODE = config_rows([(32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 3, 128)
 PRIORS_DOWN_DECODE = config_rows([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 128),
                                   (16, 128, 1, 4, 4, 128)])
 # The staged path's: the probe's best at b = 1024 (32-row tiles; the eighth lease's,
-# the down one ending in a half tile) and the fifth lease's runners-up at b = 65-256.
-# Last, not yet timed: twice the rows on one warpgroup (up 128 hidden columns, down
-# 256 latent ones), whose loops issue fewer instructions a weight element (the wgmma
-# descriptors and copies shared by twice the rows; AOT, ninth lease): uncapped, 10-14%
-# fewer at 242-255 registers (two programs a SM); capped at 168, 5-9% fewer with no
-# spill in the loop and three programs a SM, as many as the shipped 32-pair up tile.
+# the down one ending in a half tile; the up one with masked rows too, which won there
+# once SiTU stopped dividing: 528 against 551 µs, tenth lease) and the fifth lease's
+# runners-up at b = 65-256. Then twice the rows on one warpgroup (up 128 hidden
+# columns, down 256 latent ones), whose loops issue 5-14% fewer instructions a weight
+# element (AOT, ninth lease): timed in the tenth lease, 16x128 uncapped is the tuner's
+# pick at b = 64-256 (4% faster than 16x64), while at b = 1024 all are 6-48% slower.
 PRIORS_UP_STAGED = [dict(c, MASK_ROWS=m) for c, m in zip(config_rows(
-    [(32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128), (16, 64, 1, 4, 3, 128),
-     (32, 128, 1, 4, 3, 168), (16, 128, 1, 4, 3, 168), (32, 128, 1, 4, 3, 0),
-     (16, 128, 1, 4, 3, 0)]), (0, 0, 1, 0, 1, 0, 1))]
+    [(32, 64, 1, 4, 3, 168), (32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128),
+     (16, 64, 1, 4, 3, 128), (32, 128, 1, 4, 3, 168), (16, 128, 1, 4, 3, 168),
+     (32, 128, 1, 4, 3, 0), (16, 128, 1, 4, 3, 0)]), (1, 0, 0, 1, 0, 1, 0, 1))]
 PRIORS_DOWN_STAGED = [dict(c, MASK_ROWS=m, COLS=k, HALF_TILE=h) for c, m, k, h in zip(
     config_rows([(32, 128, 1, 4, 3, 128), (32, 256, 1, 8, 3, 128), (16, 256, 1, 8, 3, 128),
                  (32, 256, 1, 4, 3, 168), (16, 256, 1, 4, 3, 168), (32, 256, 1, 4, 3, 0)]),
@@ -1030,7 +1030,7 @@ def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr, hs
                   STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
                   BLOCK_K, NUM_STAGES)
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
-    h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA))
+    h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA, INTERPRET))
     codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
     tl.store(h_ptr + pair[:, None] * INTER + n[None, :], codes,
              mask=m_ok[:, None] & n_ok[None, :])

@@ -130,7 +130,8 @@ def _block_dot(w, x, acc, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _store_tile(total, n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta,
-                BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr):
+                BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+                INTERPRET: tl.constexpr):
     """Apply EPILOGUE to an output tile and store it. ``total`` [BLOCK_N, BLOCK_M]: the
     FP32 sums of weight rows n0 + i (dim 0) for batch rows offs_m (dim 1); batch row m of
     the output starts at ``out_ptr + m * out_stride`` (BF16 outputs as int16 bits)."""
@@ -142,7 +143,7 @@ def _store_tile(total, n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta,
         # each rounded to BF16 first, as the stock path's BF16 linear output is.
         pairs = tl.reshape(round_to_bf16(total), (BLOCK_N // 2, 2, BLOCK_M))
         g, u = tl.split(tl.permute(pairs, (0, 2, 1)))
-        h = situ(g, u, beta, linear_beta, HAS_LINEAR_BETA)
+        h = situ(g, u, beta, linear_beta, HAS_LINEAR_BETA, INTERPRET)
         j = n0 // 2 + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + row + j[:, None], f32_to_bf16_bits(h),
                  mask=(j < N // 2)[:, None] & m_ok)
@@ -267,7 +268,7 @@ def _front_kernel(x_ptr, w_ptr, dst_ptr, b, N, H, num_blocks, blocks_per_split, 
         acc = _group_sum(l0, l1, l2, tl.cdiv(k_hi - k_lo, blocks_per_split), LEVELS)
 
     _store_tile(acc, pid_n * BLOCK_N, offs_m, N, b, dst_ptr, dst_stride, beta, linear_beta,
-                BLOCK_N, EPILOGUE, HAS_LINEAR_BETA)
+                BLOCK_N, EPILOGUE, HAS_LINEAR_BETA, INTERPRET)
 
 
 @triton.jit
@@ -275,7 +276,7 @@ def _front_reduce_kernel(ws_ptr, out_ptr, b, N, numel, out_stride, beta, linear_
                          N_PARTS: tl.constexpr, TREE_DEPTH: tl.constexpr,
                          EPILOGUE: tl.constexpr,
                          HAS_LINEAR_BETA: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr):
+                         BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
     """out = EPILOGUE(bottom-up pairwise tree sum of ws[0..N_PARTS-1]) in FP32 (each of
     the TREE_DEPTH levels adds neighbours 2i and 2i+1, an odd last one goes up as it is), over a
     [BLOCK_N, BLOCK_M] tile oriented as the GEMM's (``_store_tile``)."""
@@ -297,7 +298,7 @@ def _front_reduce_kernel(ws_ptr, out_ptr, b, N, numel, out_stride, beta, linear_
             pairs = pairs + (parts[len(parts) - 1],)
         parts = pairs
     _store_tile(parts[0], n0, offs_m, N, b, out_ptr, out_stride, beta, linear_beta, BLOCK_N,
-                EPILOGUE, HAS_LINEAR_BETA)
+                EPILOGUE, HAS_LINEAR_BETA, INTERPRET)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -483,8 +484,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, epilogue, 
         _front_reduce_kernel[(triton.cdiv(N, _REDUCE_N), triton.cdiv(b, _REDUCE_M))](
             workspace, out_view, b, N, b * N, out.stride(0), **scalars, N_PARTS=parts,
             TREE_DEPTH=(parts - 1).bit_length(),
-            EPILOGUE=epilogue.value, BLOCK_N=_REDUCE_N, BLOCK_M=_REDUCE_M, num_warps=4,
-            **flags)
+            EPILOGUE=epilogue.value, BLOCK_N=_REDUCE_N, BLOCK_M=_REDUCE_M,
+            INTERPRET=_interpreting(), num_warps=4, **flags)
     return out
 
 
