@@ -27,6 +27,8 @@ import pytest
 import torch
 import triton.language as tl
 from triton.runtime import interpreter
+from triton.runtime.jit import mangle_type
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from conftest import DEVICE, poison
 from test_experts import (BETA, E, K, L, LINEAR_BETA, WIDE_ROWS, configs, make_ids, make_plan,
@@ -87,6 +89,8 @@ def launch_spec(fn, args, kwargs) -> dict:
                 spec["divisible"].append(i)
         elif isinstance(value, float):
             spec["signature"][name] = "fp32"
+        elif isinstance(value, TensorDescriptor):  # the JIT's own name for its type
+            spec["signature"][name] = mangle_type(value)
         else:
             raise TypeError(f"{fn.__name__}: argument {name} of type {type(value)}")
     staged = spec.get("per_target", {}).get("STAGED")
@@ -150,7 +154,8 @@ def run_stage_workload():
 def run_experts_workload():
     """The experts in every weight layout and activation format (the up and the down
     launch's set apart), at the default and the wide-tile configs, and decode-layout
-    weights with scale bytes above 128 and in 32-row tiles ending in a half tile."""
+    weights with scale bytes above 128, in 32-row tiles ending in a half tile and with
+    the up weights read through TMA descriptors."""
     inter, b = 32, 9
     ids, (q, qs) = make_ids("random", b, 0), make_plan(b, 0)
     w13, w13_s, w2, w2_s = stock_weights(inter)
@@ -163,13 +168,17 @@ def run_experts_workload():
     # 32-row tiles ending in a half tile (HALF_TILE: both tile heights in one kernel)
     variants.append(("wgmma_decode", (w13, w13_s, w2, w2_s), (1, 1), False,
                      dict(BLOCK_M=32, HALF_TILE=1)))
+    # the up weights through TMA descriptors (I a multiple of the 64-row tiles)
+    tma_stock = stock_weights(2 * ex.ROW_BLOCK)
+    variants.append(("wgmma_decode", tma_stock, (1, 1), False, dict(TMA=1)))
     for layout, stock, a_bf16, wide, keys in variants:
         weights = ex.prepare_weights(*stock, layout=layout)
         counts, pairs, gen = ex.routing_lists(ids, E, WIDE_ROWS)
         rows = poison(torch.empty(b * K, L, dtype=torch.bfloat16))
         up, down = configs(a_bf16, wide, layout)
+        down_keys = {k: v for k, v in keys.items() if k != "TMA"}  # an up-launch key
         ex.experts(q, qs, weights, counts, pairs, gen, K, BETA, LINEAR_BETA, rows=rows,
-                   config_up=dict(up, **keys), config_down=dict(down, **keys))
+                   config_up=dict(up, **keys), config_down=dict(down, **down_keys))
         assert not torch.isnan(rows.float()).any(), f"{layout} {a_bf16}: rows left unwritten"
 
 

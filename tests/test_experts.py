@@ -432,6 +432,40 @@ def test_half_tiles_keep_bits(count, seed, inter, cols, mask):
     assert narrow.same_bits(halved)
 
 
+@settings(max_examples=FEW)
+@given(case=cases, inter=st.sampled_from([128, 192]), block_m=st.sampled_from([16, 32]),
+       block_n=st.sampled_from([64, 128]), mask=st.booleans())
+@example(case=("hot", 2 * BM + 1, 5), inter=192, block_m=32, block_n=128, mask=True)
+def test_tma_weights_keep_bits(case, inter, block_m, block_n, mask):
+    """Up weights read through tensor-memory-accelerator descriptors (TMA) give the bits
+    of the threads' own copies, a last column tile past I included (I = 192 in tiles of
+    128: the descriptor reads zeros there, the copies clamp their rows)."""
+    kind, b, seed = case
+    ids = make_ids(kind, b, seed)
+    q, qs = make_plan(b, seed)
+    up = dict(BLOCK_M=block_m, BLOCK_N=block_n, A_BF16=1, num_warps=4, num_stages=3,
+              maxnreg=0, MASK_ROWS=int(mask))
+    down = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0)
+    copies = launch(q, qs, ids, inter, layout="wgmma_decode", config_up=up, config_down=down)
+    tma = launch(q, qs, ids, inter, layout="wgmma_decode", config_up=dict(up, TMA=1),
+                 config_down=down)
+    assert copies.same_bits(tma)
+
+
+def test_tma_needs_whole_row_blocks_of_gate_rows():
+    """With I not a multiple of the 64-row tiles a tile would hold gate and up rows: the
+    descriptors refuse it by the config's name."""
+    inter = 32
+    ids = make_ids("random", 3, 1)
+    q, qs = make_plan(3, 1)
+    counts, pairs, gen = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
+    up = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0, TMA=1)
+    down = dict(up, TMA=0)
+    with pytest.raises(ValueError, match=r"^config_up\['TMA'\] needs I \(32\)"):
+        ex.experts(q.to(DEVICE), qs.to(DEVICE), prepared(inter, "wgmma_decode"), counts,
+                   pairs, gen, K, BETA, LINEAR_BETA, config_up=up, config_down=down)
+
+
 def test_a_bf16_variants_are_bitwise_identical():
     """Both activation formats feed the same exact products to the same FP32 sums."""
     ids = make_ids("hot", BM + 3, 9)
@@ -756,11 +790,14 @@ for _name, _make, _exc in [
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, COLS=3), ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, MASK_ROWS=2), ValueError),
     ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, HALF_TILE=2), ValueError),
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, TMA=2), ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, BLOCK_M=16, HALF_TILE=1), ValueError),
     # the staged path's keys where the weights' layout does not run it
     ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, MASK_ROWS=1), ValueError),
     ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, COLS=2), ValueError),
     ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, BLOCK_M=32, HALF_TILE=1), ValueError),
+    ("config_up", lambda a, P, I: dict(ex.DEFAULT_UP, TMA=1), ValueError),
+    ("config_down", lambda a, P, I: dict(ex.DEFAULT_DOWN, TMA=1), ValueError),
 ]:
     _BAD.append(pytest.param(_name, _make, _exc, id=f"{_name}-{len(_BAD)}"))
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from conftest import DEVICE, poison
 from wide_moe_triton.kernels.situ import situ, tanh_f32
@@ -40,11 +40,15 @@ def run(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float | None
     return out.cpu(), tanh.cpu()
 
 
+def u_prime(u, linear_beta):
+    """SiTU's u' in float64: u clamped smoothly to +-linear_beta, or u itself."""
+    u = u.double()
+    return u if linear_beta is None else linear_beta * torch.tanh(u / linear_beta)
+
+
 def situ64(g, u, beta, linear_beta):
-    g, u = g.double(), u.double()
-    if linear_beta is not None:
-        u = linear_beta * torch.tanh(u / linear_beta)
-    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * u
+    g = g.double()
+    return beta * torch.tanh(g / beta) * torch.sigmoid(g) * u_prime(u, linear_beta)
 
 
 def assert_close(out: torch.Tensor, exact: torch.Tensor, ulps: float, what: str):
@@ -76,6 +80,11 @@ SUBNORMAL_SIGMOID = 2.0 ** -126
        u=st.lists(values, min_size=150, max_size=150),
        beta=st.sampled_from([4.0, 1.0, 0.5, 3.0, 7.5]),
        linear_beta=st.sampled_from([None, 25.0, 0.5, 6.0]))
+# A flushed sigmoid beside an infinite, a NaN and a huge u, with and without the clamp.
+@example(g=[-100.0, -87.5, -100.0, 0.3], u=[math.inf, math.nan, 1e30, -1.0] + [0.0] * 146,
+         beta=4.0, linear_beta=None)
+@example(g=[-100.0, -87.5, -100.0, 0.3], u=[math.inf, math.nan, 1e30, -1.0] + [0.0] * 146,
+         beta=4.0, linear_beta=25.0)
 def test_situ_is_within_a_few_ulp_of_float64(g, u, beta, linear_beta):
     g = torch.tensor(g, dtype=torch.float32)
     u = torch.tensor(u[:g.numel()], dtype=torch.float32)
@@ -84,9 +93,9 @@ def test_situ_is_within_a_few_ulp_of_float64(g, u, beta, linear_beta):
     sig = torch.sigmoid(g.double())
     normal = sig.isnan() | (sig >= SUBNORMAL_SIGMOID * (1 + 2.0 ** -10))
     assert_close(out[normal], situ64(g, u, beta, linear_beta)[normal], 16, "situ")
-    # Below, SiTU is 0 * u': a signed zero, or NaN for an infinite or NaN u.
+    # Below, SiTU is 0 * u': a signed zero, or NaN for an infinite or NaN u'.
     flushed = sig < SUBNORMAL_SIGMOID * (1 - 2.0 ** -10)
-    finite_u = u.isfinite()
+    finite_u = u_prime(u, linear_beta).isfinite()
     assert (out[flushed & finite_u] == 0).all(), "a flushed sigmoid left a nonzero SiTU"
     assert out[flushed & ~finite_u].isnan().all()
     # tanh is odd bit for bit, signed zeros included.

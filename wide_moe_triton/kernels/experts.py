@@ -66,6 +66,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..checks import check_tensor
 from .. import mx
@@ -100,7 +101,12 @@ DEFAULT_DOWN_DECODE = {"BLOCK_M": 16, "BLOCK_N": 256, "A_BF16": 1, "num_warps": 
 #   pipelined loop (``_down_columns``); at TP8 a tile is only I / BLOCK_K = 3 steps.
 # - HALF_TILE 1 (BLOCK_M >= 32): a list's last tile of at most BLOCK_M/2 pairs runs as
 #   a BLOCK_M/2 tile (``_full_tiles``): for the 32-row tiles of b = 1024 at TP8.
-STAGED_KEYS = {"MASK_ROWS": 0, "COLS": 1, "HALF_TILE": 0}
+# - TMA 1 (up launch only): the weight tiles and their scales are read by the tensor
+#   memory accelerator (``_tma_weights``, ``_weight_descriptors``) instead of four
+#   16-byte copies and their 64-bit addresses a thread a step. At b = 1024 those copies
+#   drew a quarter of the loop's stall samples, each waiting to reuse the one register
+#   pair its address is built in (benchmarks/NOTES.md, tenth lease). Not yet timed.
+STAGED_KEYS = {"MASK_ROWS": 0, "COLS": 1, "HALF_TILE": 0, "TMA": 0}
 # The staged path's defaults: the best of the H200 probe at TP8, b = 65 and 256
 # (benchmarks/NOTES.md, fifth lease): 358 + 174 µs at b = 65, 522 + 252 at 256, against
 # 409 + 247 and 542 + 377 for the fourth lease's (above, without the keys).
@@ -707,25 +713,50 @@ def _decoded_weights(w_ptr, s_ptr, rows, k0, K: tl.constexpr, BLOCK_N: tl.conste
                      BLOCK_K: tl.constexpr, ROW_BLOCK: tl.constexpr,
                      WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr):
     """Exact BF16 values [BLOCK_N, BLOCK_K] of weight ``rows`` of a [*, K] expert matrix
-    in the "wgmma_decode" layout (w_ptr: its words, int32), reduction k0 .. k0+BLOCK_K-1.
-
-    Lane q's words of a row are one contiguous vector (lane order), and word i's 8 codes
-    are elements 32*i + 8*p + 2*q + h (pair p, half h): the joins and the permute below
-    put each pair in the register the tensor cores take it from, so they move no data."""
-    WORDS: tl.constexpr = BLOCK_K // 32
+    in the "wgmma_decode" layout (w_ptr: its words, int32), reduction k0 .. k0+BLOCK_K-1."""
     chunk = _row_chunks(rows, k0, K // 8, BLOCK_K // 8, ROW_BLOCK, BLOCK_K)
     # A row's words of a step are one contiguous run: loaded as one axis, a warp's copies
     # cover whole 32-byte sectors (8 rows x 64 bytes). Loaded as [rows, words, lanes],
     # Triton gave each thread one row's four 16-byte vectors, so each copy instruction
     # read half of every sector it touched and the weights crossed from L2 twice (Nsight
     # Compute, benchmarks/NOTES.md, seventh lease).
-    w = tl.load(w_ptr + chunk[:, None] + tl.arange(0, 4 * WORDS)[None, :])
+    w = tl.load(w_ptr + chunk[:, None] + tl.arange(0, BLOCK_K // 8)[None, :])
+    scales = _weight_scales(s_ptr, rows, k0, K, BLOCK_K, ROW_BLOCK)
+    return _decoded_tile(w, scales, BLOCK_N, BLOCK_K, WIDE_SCALES, INTERPRET)
+
+
+@triton.jit
+def _tma_weights(w_desc, ws_desc, step, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ROW_BLOCK: tl.constexpr, WIDE_SCALES: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """``_decoded_weights`` for the up program (e, j) of ROWS / 2 hidden columns, its gate
+    rows then its up rows, reduction step ``step``, read through the descriptors of
+    ``_weight_descriptors``: one box of each holds the step's tiles of both halves."""
+    e = tl.program_id(0)
+    row_block = tl.program_id(1) * (ROWS // 2 // ROW_BLOCK)
+    w = w_desc.load([e, 0, row_block, step * ROW_BLOCK, 0])
+    scales = ws_desc.load([e, 0, row_block, step, 0])
+    return _decoded_tile(tl.reshape(w, (ROWS, BLOCK_K // 8)),
+                         tl.reshape(scales, (ROWS, BLOCK_K // 32)), ROWS, BLOCK_K,
+                         WIDE_SCALES, INTERPRET)
+
+
+@triton.jit
+def _decoded_tile(w, scales, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr):
+    """Exact BF16 values [BLOCK_N, BLOCK_K] of a weight tile's "wgmma_decode" words w
+    (int32 [BLOCK_N, BLOCK_K/8], a row's words in lane order) and scale bytes [BLOCK_N,
+    BLOCK_K/32].
+
+    Lane q's words of a row are one contiguous vector (lane order), and word i's 8 codes
+    are elements 32*i + 8*p + 2*q + h (pair p, half h): the joins and the permute below
+    put each pair in the register the tensor cores take it from, so they move no data."""
+    WORDS: tl.constexpr = BLOCK_K // 32
     w = tl.permute(tl.reshape(w, (BLOCK_N, 4, WORDS)), (0, 2, 1)).to(tl.uint32, bitcast=True)
     p0, p1, p2, p3 = _bf16_pairs(w)  # [BLOCK_N, WORDS, 4]
     pairs = tl.join(tl.join(p0, p2), tl.join(p1, p3))  # [.., 4 (q), 2, 2 (pair)]
     # One scale a word: its exponents broadcast over the word's pairs.
-    e1, e2 = _scale_exponents(_weight_scales(s_ptr, rows, k0, K, BLOCK_K, ROW_BLOCK),
-                              WIDE_SCALES)
+    e1, e2 = _scale_exponents(scales, WIDE_SCALES)
     e1 = tl.broadcast_to(e1[:, :, None, None, None], pairs.shape)
     e2 = tl.broadcast_to(e2[:, :, None, None, None], pairs.shape)
     if INTERPRET:
@@ -910,6 +941,22 @@ def _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K: tl.c
 
 
 @triton.jit
+def _reduce_staged_tma(acc, values_ptr, act_rows, act_ok, w_desc, ws_desc, K: tl.constexpr,
+                       MASK_ROWS: tl.constexpr, WIDE_SCALES: tl.constexpr,
+                       INTERPRET: tl.constexpr, ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """``_reduce_staged`` for the up program (e, j) with its ROWS weight rows read by the
+    tensor memory accelerator (``_tma_weights``): the pipeliner stages those loads in
+    shared memory too, behind a barrier a stage rather than per-thread copies."""
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        a = _staged_activations(values_ptr, act_rows, act_ok, k0, K, MASK_ROWS, BLOCK_K)
+        w = _tma_weights(w_desc, ws_desc, k0 // BLOCK_K, ROWS, BLOCK_K, ROW_BLOCK,
+                         WIDE_SCALES, INTERPRET)
+        acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
+    return acc
+
+
+@triton.jit
 def _staged_activations(values_ptr, rows, ok, k0, cols, MASK_ROWS: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     """BF16 activations [M, BLOCK_K] of rows ``rows`` of a [*, cols] matrix, columns k0 ..;
@@ -958,18 +1005,22 @@ def _reduce_prefetched(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws
 @triton.jit
 def _experts_up_kernel(
         q_ptr, qs_ptr, qv_ptr, counts_ptr, pairs_ptr, generation_ptr,
-        w_ptr, ws_ptr, h_ptr, hs_ptr, hv_ptr, num_experts, wide_rows, beta, linear_beta,
+        w_ptr, ws_ptr, w_desc, ws_desc, h_ptr, hs_ptr, hv_ptr, num_experts, wide_rows, beta,
+        linear_beta,
         LATENT: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr,
         HAS_LINEAR_BETA: tl.constexpr, A_BF16: tl.constexpr, STORE_VALUES: tl.constexpr,
         ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr,
         STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr, MASK_ROWS: tl.constexpr, HALF_TILE: tl.constexpr):
+        NUM_STAGES: tl.constexpr, MASK_ROWS: tl.constexpr, HALF_TILE: tl.constexpr,
+        TMA: tl.constexpr):
     """Program (e, j): hidden columns j*BLOCK_N .. of every pair listed for expert e,
     h = mxfp8(situ(W13_gate q, W13_up q)), stored at the pair's workspace row (and its
     exact BF16 values too, when STORE_VALUES). A_BF16: the activations are the plan's
     BF16 values (``q_values``) rather than its codes and scales. DECODE: the weights are
-    in the "wgmma_decode" layout, w_ptr their int32 words. HALF_TILE: ``_full_tiles``."""
+    in the "wgmma_decode" layout, w_ptr their int32 words. HALF_TILE: ``_full_tiles``.
+    TMA (STAGED): the weights are read through w_desc / ws_desc (``_weight_descriptors``),
+    else through w_ptr / ws_ptr (the descriptors are then None)."""
     e = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
@@ -979,17 +1030,18 @@ def _experts_up_kernel(
     # An expert with no pairs runs zero iterations: its weights are never read.
     full = _full_tiles(count, BLOCK_M, HALF_TILE)
     for m0 in range(0, full, BLOCK_M):
-        _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr, hs_ptr,
-                 hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K, HAS_LINEAR_BETA, A_BF16,
-                 STORE_VALUES, ROW_BLOCK, WGMMA_ORDER, DECODE, STAGED, WIDE_SCALES,
-                 INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES, MASK_ROWS)
+        _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, w_desc, ws_desc,
+                 h_ptr, hs_ptr, hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K,
+                 HAS_LINEAR_BETA, A_BF16, STORE_VALUES, ROW_BLOCK, WGMMA_ORDER, DECODE,
+                 STAGED, WIDE_SCALES, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
+                 MASK_ROWS, TMA)
     if HALF_TILE:
         for m0 in range(full, count, BLOCK_M // 2):
-            _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr,
-                     hs_ptr, hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K,
+            _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, w_desc,
+                     ws_desc, h_ptr, hs_ptr, hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K,
                      HAS_LINEAR_BETA, A_BF16, STORE_VALUES, ROW_BLOCK, WGMMA_ORDER, DECODE,
                      STAGED, WIDE_SCALES, INTERPRET, BLOCK_M // 2, BLOCK_N, BLOCK_K,
-                     NUM_STAGES, MASK_ROWS)
+                     NUM_STAGES, MASK_ROWS, TMA)
 
 
 @triton.jit
@@ -1010,13 +1062,14 @@ def _full_tiles(count, BLOCK_M: tl.constexpr, HALF_TILE: tl.constexpr):
 
 
 @triton.jit
-def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr, hs_ptr, hv_ptr,
-             beta, linear_beta, LATENT: tl.constexpr, INTER: tl.constexpr,
-             TOP_K: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr, A_BF16: tl.constexpr,
-             STORE_VALUES: tl.constexpr, ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
-             DECODE: tl.constexpr, STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr,
-             INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr, MASK_ROWS: tl.constexpr):
+def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, w_desc, ws_desc,
+             h_ptr, hs_ptr, hv_ptr, beta, linear_beta, LATENT: tl.constexpr,
+             INTER: tl.constexpr, TOP_K: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
+             A_BF16: tl.constexpr, STORE_VALUES: tl.constexpr, ROW_BLOCK: tl.constexpr,
+             WGMMA_ORDER: tl.constexpr, DECODE: tl.constexpr, STAGED: tl.constexpr,
+             WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+             MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
     """The up kernel's hidden columns ``n`` of list entries m0 .. m0+BLOCK_M-1."""
     n_ok = n < INTER
     n_in = _clamped(n, INTER)
@@ -1025,10 +1078,15 @@ def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, h_ptr, hs
     rows = tl.reshape(tl.join(n_in, n_in + INTER).permute(1, 0), (2 * BLOCK_N,))
     sc = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
     pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-    acc = _reduce(tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32), q_ptr, qs_ptr, qv_ptr,
-                  pair // TOP_K, m_ok, w_e, ws_e, rows, LATENT, MASK_ROWS, A_BF16, DECODE,
-                  STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
-                  BLOCK_K, NUM_STAGES)
+    acc = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
+    if TMA:
+        acc = _reduce_staged_tma(acc, qv_ptr, pair // TOP_K, m_ok, w_desc, ws_desc, LATENT,
+                                 MASK_ROWS, WIDE_SCALES, INTERPRET, ROW_BLOCK, 2 * BLOCK_N,
+                                 BLOCK_K, NUM_STAGES)
+    else:
+        acc = _reduce(acc, q_ptr, qs_ptr, qv_ptr, pair // TOP_K, m_ok, w_e, ws_e, rows,
+                      LATENT, MASK_ROWS, A_BF16, DECODE, STAGED, WIDE_SCALES, INTERPRET,
+                      ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
     h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA, INTERPRET))
     codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
@@ -1170,6 +1228,8 @@ def _check_config(name: str, config: dict) -> dict:
         raise ValueError(f"{name}['COLS'] must be a power of two >= 1, got {cols!r}")
     if config.get("MASK_ROWS", 0) not in (0, 1):
         raise ValueError(f"{name}['MASK_ROWS'] must be 0 or 1, got {config['MASK_ROWS']!r}")
+    if config.get("TMA", 0) not in (0, 1):
+        raise ValueError(f"{name}['TMA'] must be 0 or 1, got {config['TMA']!r}")
     if config.get("HALF_TILE", 0) not in (0, 1):
         raise ValueError(f"{name}['HALF_TILE'] must be 0 or 1, got {config['HALF_TILE']!r}")
     if config.get("HALF_TILE", 0) and m < 32:
@@ -1180,15 +1240,17 @@ def _check_config(name: str, config: dict) -> dict:
     return config
 
 
-def _check_staged_keys(name: str, config: dict, staged: bool, has_cols: bool) -> None:
+def _check_staged_keys(name: str, config: dict, staged: bool, up: bool) -> None:
     """STAGED_KEYS away from their neutral values only where a launch takes them."""
     set_keys = [k for k, v in STAGED_KEYS.items() if config.get(k, v) != v]
     if set_keys and not staged:
         raise ValueError(f"{name} sets {set_keys}, which only 'wgmma_decode' weights on "
                          f"Hopper take (experts.staged_dot)")
-    if "COLS" in set_keys and not has_cols:
+    if "COLS" in set_keys and up:
         raise ValueError(f"{name}['COLS'] is for the down launch only, got "
                          f"{config['COLS']}")
+    if "TMA" in set_keys and not up:
+        raise ValueError(f"{name}['TMA'] is for the up launch only, got {config['TMA']!r}")
 
 
 def _check_decode_config(name: str, config: dict) -> None:
@@ -1209,8 +1271,8 @@ def _check_configs(config_up: dict, config_down: dict, decode: bool,
     if decode:
         _check_decode_config("config_up", cfg_up)
         _check_decode_config("config_down", cfg_down)
-    _check_staged_keys("config_up", cfg_up, staged, has_cols=False)
-    _check_staged_keys("config_down", cfg_down, staged, has_cols=True)
+    _check_staged_keys("config_up", cfg_up, staged, up=True)
+    _check_staged_keys("config_down", cfg_down, staged, up=False)
     return cfg_up, cfg_down
 
 
@@ -1240,6 +1302,26 @@ def _check_workspace(workspace, b: int, top_k: int, latent: int, inter: int,
         raise ValueError(f"workspace.q_values must have >= b = {b} rows, got "
                          f"{workspace.q_values.shape[0]}")
     return workspace
+
+
+def _weight_descriptors(weights: ExpertWeights, block_n: int):
+    """Tensor-memory-accelerator descriptors of the up weights for programs of ``block_n``
+    hidden columns (``_tma_weights``): w13's words as [E, 2 (gate, up), I / row_block,
+    steps * row_block, words a row a step] and its scales as [E, 2, I / row_block, steps,
+    row_block * scales a row a step], each the tiled order of ``ExpertWeights`` seen as
+    5 dimensions; one box of each is a program's step: the tiles of its gate rows and of
+    its up rows. For "wgmma_decode" weights (the staged path, ``_check_staged_keys``)
+    whose I is a multiple of row_block (else a tile would hold gate and up rows);
+    BLOCK_N always is one."""
+    E, I, rb, bk = weights.num_experts, weights.inter, weights.row_block, weights.block_k_up
+    if I % rb:
+        raise ValueError(f"config_up['TMA'] needs I ({I}) a multiple of the weights' row "
+                         f"block ({rb})")
+    steps, blocks = weights.latent // bk, block_n // rb
+    words = weights.w13.view(torch.int32).view(E, 2, I // rb, steps * rb, bk // 8)
+    scales = weights.w13_scales.view(E, 2, I // rb, steps, rb * bk // MX_BLOCK)
+    return (TensorDescriptor.from_tensor(words, [1, 2, blocks, rb, bk // 8]),
+            TensorDescriptor.from_tensor(scales, [1, 2, blocks, 1, rb * bk // MX_BLOCK]))
 
 
 def _launch_options(config: dict) -> dict:
@@ -1348,9 +1430,11 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
                  DECODE=decode, STAGED=staged,
                  INTERPRET=_interpreting())
     codes = (lambda t: t.view(torch.int32)) if decode else (lambda t: t)
+    tma = cfg_up.get("TMA", 0)
+    descriptors = _weight_descriptors(weights, cfg_up["BLOCK_N"]) if tma else (None, None)
     _experts_up_kernel[(E, triton.cdiv(inter, cfg_up["BLOCK_N"]))](
         q, q_scales, ws.q_values, counts, pairs, generation, codes(weights.w13),
-        weights.w13_scales,
+        weights.w13_scales, *descriptors,
         ws.h_codes, ws.h_scales, ws.h_values, E, wide_rows, float(beta),
         float(linear_beta) if linear_beta is not None else 1.0,
         LATENT=L, INTER=inter, TOP_K=top_k, HAS_LINEAR_BETA=linear_beta is not None,
@@ -1358,7 +1442,7 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         WIDE_SCALES=weights.wide_scales_up,
         BLOCK_M=cfg_up["BLOCK_M"], BLOCK_N=cfg_up["BLOCK_N"], BLOCK_K=weights.block_k_up,
         NUM_STAGES=cfg_up["num_stages"], MASK_ROWS=cfg_up.get("MASK_ROWS", 0),
-        HALF_TILE=cfg_up.get("HALF_TILE", 0), **_launch_options(cfg_up))
+        HALF_TILE=cfg_up.get("HALF_TILE", 0), TMA=tma, **_launch_options(cfg_up))
     cols = cfg_down.get("COLS", 1)
     _experts_down_kernel[(E, triton.cdiv(triton.cdiv(L, cfg_down["BLOCK_N"]), cols))](
         ws.h_codes, ws.h_scales, ws.h_values, counts, pairs, generation, codes(weights.w2),
