@@ -20,7 +20,7 @@ import triton.language as tl
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEVICE, QUICK, poison
+from conftest import DEVICE, QUICK, forbid_launches, poison
 from wide_moe_triton import mx, reference
 from wide_moe_triton.config import WideMoEConfig
 from wide_moe_triton.kernels import experts as ex
@@ -452,18 +452,24 @@ def test_tma_weights_keep_bits(case, inter, block_m, block_n, mask):
     assert copies.same_bits(tma)
 
 
-def test_tma_needs_whole_row_blocks_of_gate_rows():
-    """With I not a multiple of the 64-row tiles a tile would hold gate and up rows: the
-    descriptors refuse it by the config's name."""
-    inter = 32
+@pytest.mark.parametrize("inter, block_k, message", [
+    (32, None, r"needs I \(32\)"),  # a 64-row tile would hold gate and up rows
+    (128, 256, r"needs the up reduction step \(256\) at most 128"),  # a 512-byte box row
+])
+def test_tma_refuses_what_a_box_cannot_hold(inter, block_k, message, monkeypatch):
+    """Weights the descriptors cannot cut into one box a step are refused by the
+    config's name, before any launch."""
+    forbid_launches(monkeypatch, ex, "_plan_values_kernel", "_experts_up_kernel",
+                    "_experts_down_kernel")
     ids = make_ids("random", 3, 1)
     q, qs = make_plan(3, 1)
     counts, pairs, gen = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
     up = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0, TMA=1)
     down = dict(up, TMA=0)
-    with pytest.raises(ValueError, match=r"^config_up\['TMA'\] needs I \(32\)"):
-        ex.experts(q.to(DEVICE), qs.to(DEVICE), prepared(inter, "wgmma_decode"), counts,
-                   pairs, gen, K, BETA, LINEAR_BETA, config_up=up, config_down=down)
+    weights = prepared(inter, "wgmma_decode", block_k=(block_k, None))
+    with pytest.raises(ValueError, match=r"^config_up\['TMA'\] " + message):
+        ex.experts(q.to(DEVICE), qs.to(DEVICE), weights, counts, pairs, gen, K, BETA,
+                   LINEAR_BETA, config_up=up, config_down=down)
 
 
 def test_a_bf16_variants_are_bitwise_identical():

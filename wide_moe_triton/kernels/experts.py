@@ -1311,12 +1311,16 @@ def _weight_descriptors(weights: ExpertWeights, block_n: int):
     row_block * scales a row a step], each the tiled order of ``ExpertWeights`` seen as
     5 dimensions; one box of each is a program's step: the tiles of its gate rows and of
     its up rows. For "wgmma_decode" weights (the staged path, ``_check_staged_keys``)
-    whose I is a multiple of row_block (else a tile would hold gate and up rows);
-    BLOCK_N always is one."""
+    whose I is a multiple of row_block (else a tile would hold gate and up rows;
+    BLOCK_N always is one) and whose scales of a tile's step fit a box's 256 bytes a
+    dimension (the hardware's limit: BLOCK_K <= 128)."""
     E, I, rb, bk = weights.num_experts, weights.inter, weights.row_block, weights.block_k_up
     if I % rb:
         raise ValueError(f"config_up['TMA'] needs I ({I}) a multiple of the weights' row "
                          f"block ({rb})")
+    if rb * bk // MX_BLOCK > 256:
+        raise ValueError(f"config_up['TMA'] needs the up reduction step ({bk}) at most "
+                         f"{256 * MX_BLOCK // rb}: a box holds at most 256 bytes of a row")
     steps, blocks = weights.latent // bk, block_n // rb
     words = weights.w13.view(torch.int32).view(E, 2, I // rb, steps * rb, bk // 8)
     scales = weights.w13_scales.view(E, 2, I // rb, steps, rb * bk // MX_BLOCK)
@@ -1422,6 +1426,8 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         config_for(KERNEL_UP, key, b, tune.default_up, device),
         config_down if config_down is not None else
         config_for(KERNEL_DOWN, key, b, tune.default_down, device), decode, staged)
+    tma = cfg_up.get("TMA", 0)
+    descriptors = _weight_descriptors(weights, cfg_up["BLOCK_N"]) if tma else (None, None)
     if num_pairs == 0:
         return rows
     if cfg_up["A_BF16"]:
@@ -1430,8 +1436,6 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
                  DECODE=decode, STAGED=staged,
                  INTERPRET=_interpreting())
     codes = (lambda t: t.view(torch.int32)) if decode else (lambda t: t)
-    tma = cfg_up.get("TMA", 0)
-    descriptors = _weight_descriptors(weights, cfg_up["BLOCK_N"]) if tma else (None, None)
     _experts_up_kernel[(E, triton.cdiv(inter, cfg_up["BLOCK_N"]))](
         q, q_scales, ws.q_values, counts, pairs, generation, codes(weights.w13),
         weights.w13_scales, *descriptors,

@@ -10,8 +10,8 @@ products with their correctly rounded reciprocals (exact when the parameter is a
 two, as Kimi-K3's beta = 4 is; else within an ulp), and on the GPU exp and the
 reciprocals of tanh's and the sigmoid's quotients are the hardware's approximations
 with subnormals flushed (``ex2.approx.ftz``, ``rcp.approx.ftz``: one instruction each,
-where ``tl.exp`` and ``/`` add range fix-ups; what they flush is below 2**-126 and only
-ever moves tanh and the sigmoid by less than that). The whole stays within a few ulp of
+where ``tl.exp`` and ``/`` add range fix-ups; what they flush is below 2**-126 and
+moves tanh and the sigmoid by at most 2**-125). The whole stays within a few ulp of
 the exact function, which the tests bound at 16 (tests/test_situ.py, tests/test_shared.py,
 tests/test_experts.py), except where sigmoid(g) is below FP32's least normal number
 (g < -87.34): there it is taken as 0, so SiTU is a signed zero (NaN for an infinite u'),
