@@ -46,9 +46,9 @@ def compile_kernel(kind, cfg, layout="wgmma"):
         const = dict(LATENT=L, INTER=I, TOP_K=16, HAS_LINEAR_BETA=True, A_BF16=cfg["A_BF16"],
                      STORE_VALUES=0, BLOCK_K=bk)
         if cfg.get("TMA"):  # the descriptors' types, as the JIT names them
-            blocks, rb = cfg["BLOCK_N"] // ex.ROW_BLOCK, ex.ROW_BLOCK
-            sig["w_desc"] = f"tensordesc<i32[1, 2, {blocks}, {rb}, {bk // 8}]>"
-            sig["ws_desc"] = f"tensordesc<u8[1, 2, {blocks}, 1, {rb * bk // 32}]>"
+            word_box, scale_box = ex.tma_boxes(cfg["BLOCK_N"], bk)
+            sig["w_desc"] = f"tensordesc<i32{word_box}>"
+            sig["ws_desc"] = f"tensordesc<u8{scale_box}>"
         else:
             const.update(w_desc=None, ws_desc=None)
     else:

@@ -904,16 +904,19 @@ def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, act_ok, w_e, ws_e,
             K: tl.constexpr, MASK_ROWS: tl.constexpr, A_BF16: tl.constexpr,
             DECODE: tl.constexpr, STAGED: tl.constexpr, WIDE_SCALES: tl.constexpr,
             INTERPRET: tl.constexpr, ROW_BLOCK: tl.constexpr, WGMMA_ORDER: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+            TMA: tl.constexpr):
     """acc + W[w_rows, :] @ A[act_rows, :].T over the whole reduction (K elements) in
     steps of BLOCK_K, in order: W the expert matrix at w_e/ws_e (codes, scales), A the
     activations, gathered by ``act_rows`` (codes_ptr/scales_ptr: MXFP8; values_ptr: their
     BF16 values, the only ones DECODE takes). STAGED: DECODE on Hopper (``staged_dot``),
-    where MASK_ROWS reads only the activation rows ``act_ok`` (zeros for the others)."""
+    where MASK_ROWS reads only the activation rows ``act_ok`` (zeros for the others).
+    TMA (STAGED, up launch): w_e/ws_e are the descriptors of ``_weight_descriptors`` and
+    W the up program's rows (``_tma_weights``), w_rows unused."""
     if STAGED:
         acc = _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K,
                              MASK_ROWS, WIDE_SCALES, INTERPRET, ROW_BLOCK, BLOCK_N, BLOCK_K,
-                             NUM_STAGES)
+                             NUM_STAGES, TMA)
     else:
         acc = _reduce_prefetched(acc, codes_ptr, scales_ptr, values_ptr, act_rows, w_e, ws_e,
                                  w_rows, K, A_BF16, DECODE, WIDE_SCALES, INTERPRET,
@@ -925,33 +928,23 @@ def _reduce(acc, codes_ptr, scales_ptr, values_ptr, act_rows, act_ok, w_e, ws_e,
 def _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K: tl.constexpr,
                    MASK_ROWS: tl.constexpr, WIDE_SCALES: tl.constexpr, INTERPRET: tl.constexpr,
                    ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   NUM_STAGES: tl.constexpr):
+                   NUM_STAGES: tl.constexpr, TMA: tl.constexpr):
     """``_reduce`` for "wgmma_decode" weights: both operands of each step loaded in that
     step, so that the compiler's pipeliner stages both through shared memory with
     asynchronous copies, NUM_STAGES - 1 steps ahead. The weights then load into
     registers in the layout the tensor cores take them from (lane order), are decoded
     there, and the activation rows feed the MMA straight from shared memory (read
-    transposed, a view): no store of theirs through registers, no fence a step."""
+    transposed, a view): no store of theirs through registers, no fence a step. With
+    TMA the weights arrive by the tensor memory accelerator instead of the threads'
+    copies, staged the same way."""
     for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
         a = _staged_activations(values_ptr, act_rows, act_ok, k0, K, MASK_ROWS, BLOCK_K)
-        w = _decoded_weights(w_e, ws_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
+        if TMA:
+            w = _tma_weights(w_e, ws_e, k0 // BLOCK_K, BLOCK_N, BLOCK_K, ROW_BLOCK,
                              WIDE_SCALES, INTERPRET)
-        acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
-    return acc
-
-
-@triton.jit
-def _reduce_staged_tma(acc, values_ptr, act_rows, act_ok, w_desc, ws_desc, K: tl.constexpr,
-                       MASK_ROWS: tl.constexpr, WIDE_SCALES: tl.constexpr,
-                       INTERPRET: tl.constexpr, ROW_BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """``_reduce_staged`` for the up program (e, j) with its ROWS weight rows read by the
-    tensor memory accelerator (``_tma_weights``): the pipeliner stages those loads in
-    shared memory too, behind a barrier a stage rather than per-thread copies."""
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        a = _staged_activations(values_ptr, act_rows, act_ok, k0, K, MASK_ROWS, BLOCK_K)
-        w = _tma_weights(w_desc, ws_desc, k0 // BLOCK_K, ROWS, BLOCK_K, ROW_BLOCK,
-                         WIDE_SCALES, INTERPRET)
+        else:
+            w = _decoded_weights(w_e, ws_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
+                                 WIDE_SCALES, INTERPRET)
         acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
     return acc
 
@@ -1025,20 +1018,23 @@ def _experts_up_kernel(
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     count, list_ptr = _list_of_expert(counts_ptr, pairs_ptr, generation_ptr, e,
                                       num_experts, wide_rows)
-    w_e = w_ptr + e.to(tl.int64) * (2 * INTER * LATENT // (8 if DECODE else 2))
-    ws_e = ws_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 32)
+    if TMA:  # the descriptors cover every expert: _tma_weights picks e's boxes
+        w_e, ws_e = w_desc, ws_desc
+    else:
+        w_e = w_ptr + e.to(tl.int64) * (2 * INTER * LATENT // (8 if DECODE else 2))
+        ws_e = ws_ptr + e.to(tl.int64) * (2 * INTER * LATENT // 32)
     # An expert with no pairs runs zero iterations: its weights are never read.
     full = _full_tiles(count, BLOCK_M, HALF_TILE)
     for m0 in range(0, full, BLOCK_M):
-        _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, w_desc, ws_desc,
+        _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e,
                  h_ptr, hs_ptr, hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K,
                  HAS_LINEAR_BETA, A_BF16, STORE_VALUES, ROW_BLOCK, WGMMA_ORDER, DECODE,
                  STAGED, WIDE_SCALES, INTERPRET, BLOCK_M, BLOCK_N, BLOCK_K, NUM_STAGES,
                  MASK_ROWS, TMA)
     if HALF_TILE:
         for m0 in range(full, count, BLOCK_M // 2):
-            _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, w_desc,
-                     ws_desc, h_ptr, hs_ptr, hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K,
+            _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e,
+                     h_ptr, hs_ptr, hv_ptr, beta, linear_beta, LATENT, INTER, TOP_K,
                      HAS_LINEAR_BETA, A_BF16, STORE_VALUES, ROW_BLOCK, WGMMA_ORDER, DECODE,
                      STAGED, WIDE_SCALES, INTERPRET, BLOCK_M // 2, BLOCK_N, BLOCK_K,
                      NUM_STAGES, MASK_ROWS, TMA)
@@ -1062,7 +1058,7 @@ def _full_tiles(count, BLOCK_M: tl.constexpr, HALF_TILE: tl.constexpr):
 
 
 @triton.jit
-def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, w_desc, ws_desc,
+def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e,
              h_ptr, hs_ptr, hv_ptr, beta, linear_beta, LATENT: tl.constexpr,
              INTER: tl.constexpr, TOP_K: tl.constexpr, HAS_LINEAR_BETA: tl.constexpr,
              A_BF16: tl.constexpr, STORE_VALUES: tl.constexpr, ROW_BLOCK: tl.constexpr,
@@ -1078,15 +1074,10 @@ def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e, w_desc, w
     rows = tl.reshape(tl.join(n_in, n_in + INTER).permute(1, 0), (2 * BLOCK_N,))
     sc = tl.program_id(1) * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
     pair, m_ok = _load_pairs(list_ptr, m0, count, BLOCK_M)
-    acc = tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32)
-    if TMA:
-        acc = _reduce_staged_tma(acc, qv_ptr, pair // TOP_K, m_ok, w_desc, ws_desc, LATENT,
-                                 MASK_ROWS, WIDE_SCALES, INTERPRET, ROW_BLOCK, 2 * BLOCK_N,
-                                 BLOCK_K, NUM_STAGES)
-    else:
-        acc = _reduce(acc, q_ptr, qs_ptr, qv_ptr, pair // TOP_K, m_ok, w_e, ws_e, rows,
-                      LATENT, MASK_ROWS, A_BF16, DECODE, STAGED, WIDE_SCALES, INTERPRET,
-                      ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N, BLOCK_K, NUM_STAGES)
+    acc = _reduce(tl.zeros((2 * BLOCK_N, BLOCK_M), tl.float32), q_ptr, qs_ptr, qv_ptr,
+                  pair // TOP_K, m_ok, w_e, ws_e, rows, LATENT, MASK_ROWS, A_BF16, DECODE,
+                  STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER, 2 * BLOCK_N,
+                  BLOCK_K, NUM_STAGES, TMA)
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
     h = tl.trans(situ(acc_g, acc_u, beta, linear_beta, HAS_LINEAR_BETA, INTERPRET))
     codes, scales = mxfp8_tile(h, BLOCK_M, BLOCK_N)
@@ -1153,7 +1144,7 @@ def _down_tile(h_ptr, hs_ptr, hv_ptr, list_ptr, m0, count, w_e, ws_e, rows_ptr,
         acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr,
                       pair, m_ok, w_e, ws_e, _clamped(n, LATENT), INTER, MASK_ROWS, A_BF16,
                       DECODE, STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER,
-                      BLOCK_N, BLOCK_K, NUM_STAGES)
+                      BLOCK_N, BLOCK_K, NUM_STAGES, False)
         tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
                  f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & (n < LATENT)[None, :])
 
@@ -1304,6 +1295,14 @@ def _check_workspace(workspace, b: int, top_k: int, latent: int, inter: int,
     return workspace
 
 
+def tma_boxes(block_n: int, block_k: int, row_block: int = ROW_BLOCK):
+    """The box shapes of ``_weight_descriptors`` for up programs of ``block_n`` hidden
+    columns and steps of ``block_k``: (words, scales)."""
+    blocks = block_n // row_block
+    return ([1, 2, blocks, row_block, block_k // 8],
+            [1, 2, blocks, 1, row_block * block_k // MX_BLOCK])
+
+
 def _weight_descriptors(weights: ExpertWeights, block_n: int):
     """Tensor-memory-accelerator descriptors of the up weights for programs of ``block_n``
     hidden columns (``_tma_weights``): w13's words as [E, 2 (gate, up), I / row_block,
@@ -1315,17 +1314,18 @@ def _weight_descriptors(weights: ExpertWeights, block_n: int):
     BLOCK_N always is one) and whose scales of a tile's step fit a box's 256 bytes a
     dimension (the hardware's limit: BLOCK_K <= 128)."""
     E, I, rb, bk = weights.num_experts, weights.inter, weights.row_block, weights.block_k_up
+    word_box, scale_box = tma_boxes(block_n, bk, rb)
     if I % rb:
         raise ValueError(f"config_up['TMA'] needs I ({I}) a multiple of the weights' row "
                          f"block ({rb})")
-    if rb * bk // MX_BLOCK > 256:
+    if scale_box[-1] > 256:
         raise ValueError(f"config_up['TMA'] needs the up reduction step ({bk}) at most "
                          f"{256 * MX_BLOCK // rb}: a box holds at most 256 bytes of a row")
-    steps, blocks = weights.latent // bk, block_n // rb
-    words = weights.w13.view(torch.int32).view(E, 2, I // rb, steps * rb, bk // 8)
-    scales = weights.w13_scales.view(E, 2, I // rb, steps, rb * bk // MX_BLOCK)
-    return (TensorDescriptor.from_tensor(words, [1, 2, blocks, rb, bk // 8]),
-            TensorDescriptor.from_tensor(scales, [1, 2, blocks, 1, rb * bk // MX_BLOCK]))
+    steps = weights.latent // bk
+    words = weights.w13.view(torch.int32).view(E, 2, I // rb, steps * rb, word_box[-1])
+    scales = weights.w13_scales.view(E, 2, I // rb, steps, scale_box[-1])
+    return (TensorDescriptor.from_tensor(words, word_box),
+            TensorDescriptor.from_tensor(scales, scale_box))
 
 
 def _launch_options(config: dict) -> dict:
