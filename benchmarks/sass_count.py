@@ -14,8 +14,10 @@ DEFAULT_DOWN (A_BF16 0 and 1; for "wgmma_decode" the staged path's defaults, A_B
 pointers specialized 16-aligned as the JIT does, and prints registers, stack (spills),
 the ttgir's local_alloc / convert_layout counts and the SASS histogram of the smallest
 loop holding HGMMA, per weight element a thread decodes an iteration (loop instructions
-x threads / elements), and how many instructions lie outside that loop (what a tile or a
-program runs once: the pipeline's prologue, SiTU, the MXFP8 rounding, the stores)."""
+x threads / elements), how many instructions lie outside that loop (what a tile or a
+program runs once: the pipeline's prologue, SiTU, the MXFP8 rounding, the stores), and
+ptxas's advice C7515 where it serializes the kernel's wgmma (Triton 3.9's compile of
+the same source does not draw it: this check needs 3.6)."""
 import collections
 import os
 import re
@@ -83,6 +85,25 @@ def compile_kernel(kind, cfg, layout="wgmma"):
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     return k, bk
 
+def serialized_wgmma(k):
+    """ptxas's advice C7515 for the kernel's PTX, or None: with it ptxas waits for each
+    wgmma before the next one issues (the down launch until the eleventh lease, because
+    its accumulator was zeroed inside the MMA pipeline: benchmarks/NOTES.md). Triton's
+    compile does not show it; ptxas says it only when verbose."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptx = k.asm["ptx"]
+    target = re.search(r"^\.target\s+(\w+)", ptx, re.M).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, f"-arch={target}", "-v", path, "-o",
+                               os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, check=True)
+    advice = [line for line in done.stderr.splitlines() if "C7515" in line]
+    return advice[0] if advice else None
+
+
 def _cuobjdump(flag, path):
     return subprocess.run([CUOBJ, flag, path], capture_output=True, text=True).stdout
 
@@ -143,6 +164,9 @@ def report(kind, cfg, layout="wgmma", show=False):
     print(f"   spill ops in loop: {h['STL'] + h['LDL']}, in kernel: {spills}; "
           f"outside the loop (once a tile or a program): "
           f"{len(instructions(sass)) - len(body)} instr")
+    advice = serialized_wgmma(k)
+    if advice:
+        print(f"   SERIALIZED WGMMA: {advice}")
     if show:  # the listings, for reading
         for ext, text in (("ttgir", ttgir), ("sass", sass), ("ptx", k.asm["ptx"])):
             with open(f"{kind}_{layout}.{ext}", "w") as f:

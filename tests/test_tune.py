@@ -85,6 +85,26 @@ def test_candidates_lay_partial_priors_over_the_base(b, setting, split, quick):
         assert (laid in got) == (laid in front.SPACE), prior
 
 
+@given(st.sampled_from(["up", "down"]), st.booleans())
+def test_staged_experts_priors_are_all_tried(kind, quick):
+    """Every prior of the staged experts launches is a candidate, those that set a key
+    the default leaves unset (HALF_TILE) included: a sweep that dropped them silently
+    never timed the TP8 down launch's best at b = 1024 (eleventh lease)."""
+    from wide_moe_triton.kernels import experts as ex
+
+    t = ex._tuning("wgmma_decode", staged=True)
+    default, space, priors = ((t.default_up, t.space_up, t.priors_up) if kind == "up" else
+                              (t.default_down, t.space_down, t.priors_down))
+    # the case this test is about: down priors that end in a half tile
+    assert any(set(p) - set(t.default_down) for p in t.priors_down)
+    case = tune.Case(kind, "key", space, default, run=None, ok=None, priors=priors,
+                     quick_random=0)
+    got = tune.candidates(case, default, case.priors, quick, sample=0)
+    assert got[0] == default
+    for prior in priors:
+        assert dict(default, **prior) in got, prior
+
+
 def test_grouped_programs_are_trials_at_b_1024():
     """At b = 1024 the default sums its segments in one program (SPLIT_GRID 0); the
     grouped programs (SPLIT_GRID 1, GROUP > 1) are two keys away and still judged."""

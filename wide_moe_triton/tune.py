@@ -415,7 +415,9 @@ def candidates(case: Case, base: dict, extra=(), quick: bool = False,
         if case.quick_near is not None:
             near = rng.sample(near, min(case.quick_near, len(near)))
         sample = case.quick_random
-    priors = [dict(base, **p) for p in extra if set(p) <= set(base)]
+    # A prior may set keys the base leaves unset (experts.STAGED_KEYS: HALF_TILE, TMA);
+    # being in the space is what makes it a candidate.
+    priors = [dict(base, **p) for p in extra]
     priors = [p for p in priors if p in space]
     rest = [c for c in space if c != base and c not in near and c not in priors]
     if sample is not None:

@@ -167,10 +167,13 @@ PRIORS_UP_STAGED = [dict(c, MASK_ROWS=m) for c, m in zip(config_rows(
     [(32, 64, 1, 4, 3, 168), (32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128),
      (16, 64, 1, 4, 3, 128), (32, 128, 1, 4, 3, 168), (16, 128, 1, 4, 3, 168),
      (32, 128, 1, 4, 3, 0), (16, 128, 1, 4, 3, 0)]), (1, 0, 0, 1, 0, 1, 0, 1))]
+# The down launch's first prior, the 32x128 half-tile one at maxnreg 168, is the probe's
+# best at b = 1024 since its wgmma stopped waiting each out (_down_columns; eleventh lease).
 PRIORS_DOWN_STAGED = [dict(c, MASK_ROWS=m, COLS=k, HALF_TILE=h) for c, m, k, h in zip(
-    config_rows([(32, 128, 1, 4, 3, 128), (32, 256, 1, 8, 3, 128), (16, 256, 1, 8, 3, 128),
-                 (32, 256, 1, 4, 3, 168), (16, 256, 1, 4, 3, 168), (32, 256, 1, 4, 3, 0)]),
-    (1, 1, 1, 1, 1, 1), (4, 2, 2, 2, 2, 2), (1, 0, 0, 1, 0, 1))]
+    config_rows([(32, 128, 1, 4, 3, 168), (32, 128, 1, 4, 3, 128), (32, 256, 1, 8, 3, 128),
+                 (16, 256, 1, 8, 3, 128), (32, 256, 1, 4, 3, 168), (16, 256, 1, 4, 3, 168),
+                 (32, 256, 1, 4, 3, 0)]),
+    (1, 1, 1, 1, 1, 1, 1), (4, 4, 2, 2, 2, 2, 2), (1, 1, 0, 0, 1, 0, 1))]
 
 
 class Tuning(NamedTuple):
@@ -777,10 +780,15 @@ def _weight_scales(s_ptr, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _clamped(n, count):
-    """Row indices ``n`` with those past ``count`` rows replaced by the last row: their
-    results are never stored, so their loads need no mask (none to compute a step)."""
-    return tl.minimum(n, count - 1)
+def _clamped(n, count: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row indices ``n`` (a program's BLOCK_N consecutive rows) with those past ``count``
+    rows replaced by the last row: their results are never stored, so their loads need
+    no mask (none to compute a step). When BLOCK_N divides count no row is past it, and
+    ``n`` is left as it is: the compiler then sees consecutive rows, so a step's weight
+    copies can share an address register and differ by constant offsets."""
+    if count % BLOCK_N != 0:
+        n = tl.minimum(n, count - 1)
+    return n
 
 
 @triton.jit
@@ -1068,7 +1076,7 @@ def _up_tile(q_ptr, qs_ptr, qv_ptr, list_ptr, m0, count, n, w_e, ws_e,
              MASK_ROWS: tl.constexpr, TMA: tl.constexpr):
     """The up kernel's hidden columns ``n`` of list entries m0 .. m0+BLOCK_M-1."""
     n_ok = n < INTER
-    n_in = _clamped(n, INTER)
+    n_in = _clamped(n, INTER, BLOCK_N)
     # The tile's gate rows, then its up rows (the up rows follow the I gate rows): one
     # dot a step over both, so one shared-memory fence, barrier and MMA wait a step.
     rows = tl.reshape(tl.join(n_in, n_in + INTER).permute(1, 0), (2 * BLOCK_N,))
@@ -1142,9 +1150,9 @@ def _down_tile(h_ptr, hs_ptr, hv_ptr, list_ptr, m0, count, w_e, ws_e, rows_ptr,
     else:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _reduce(tl.zeros((BLOCK_N, BLOCK_M), tl.float32), h_ptr, hs_ptr, hv_ptr,
-                      pair, m_ok, w_e, ws_e, _clamped(n, LATENT), INTER, MASK_ROWS, A_BF16,
-                      DECODE, STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK, WGMMA_ORDER,
-                      BLOCK_N, BLOCK_K, NUM_STAGES, False)
+                      pair, m_ok, w_e, ws_e, _clamped(n, LATENT, BLOCK_N), INTER, MASK_ROWS,
+                      A_BF16, DECODE, STAGED, WIDE_SCALES, INTERPRET, ROW_BLOCK,
+                      WGMMA_ORDER, BLOCK_N, BLOCK_K, NUM_STAGES, False)
         tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
                  f32_to_bf16_bits(tl.trans(acc)), mask=m_ok[:, None] & (n < LATENT)[None, :])
 
@@ -1167,14 +1175,19 @@ def _down_columns(hv_ptr, pair, m_ok, w_e, ws_e, rows_ptr, j0, LATENT: tl.conste
         n = (j0 + it // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = (it % STEPS) * BLOCK_K
         a = _staged_activations(hv_ptr, pair, m_ok, k0, INTER, MASK_ROWS, BLOCK_K)
-        w = _decoded_weights(w_e, ws_e, _clamped(n, LATENT), k0, INTER, BLOCK_N, BLOCK_K,
-                             ROW_BLOCK, WIDE_SCALES, INTERPRET)
+        w = _decoded_weights(w_e, ws_e, _clamped(n, LATENT, BLOCK_N), k0, INTER, BLOCK_N,
+                             BLOCK_K, ROW_BLOCK, WIDE_SCALES, INTERPRET)
+        # Zeroed before a column tile's first product, not after its store: reset there,
+        # the accumulator is written by other instructions inside the loop's wgmma
+        # pipeline, and Triton 3.6's ptxas then waits out every wgmma (its advice C7515),
+        # 4-6% of the launch's time (benchmarks/NOTES.md, eleventh lease).
+        if k0 == 0:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
         if it % STEPS == STEPS - 1:
             tl.store(rows_ptr + pair[:, None] * LATENT + n[None, :],
                      f32_to_bf16_bits(tl.trans(acc)),
                      mask=m_ok[:, None] & (n < LATENT)[None, :])
-            acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
 
 
 @triton.jit
