@@ -780,13 +780,15 @@ def _weight_scales(s_ptr, rows, k0, K: tl.constexpr, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _clamped(n, count: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Row indices ``n`` (a program's BLOCK_N consecutive rows) with those past ``count``
-    rows replaced by the last row: their results are never stored, so their loads need
-    no mask (none to compute a step). When BLOCK_N divides count no row is past it, and
-    ``n`` is left as it is: the compiler then sees consecutive rows, so a step's weight
-    copies can share an address register and differ by constant offsets."""
-    if count % BLOCK_N != 0:
+def _clamped(n, count: tl.constexpr, SPAN: tl.constexpr):
+    """Row indices ``n`` (consecutive rows of a program whose grid covers the ``count``
+    rows in spans of SPAN: its BLOCK_N, or BLOCK_N * COLS for a down program of COLS
+    column tiles) with those past ``count`` replaced by the last row: their results are
+    never stored, so their loads need no mask (none to compute a step). When SPAN
+    divides count no row is past it, and ``n`` is left as it is: the compiler then sees
+    consecutive rows, so a step's weight copies can share an address register and
+    differ by constant offsets."""
+    if count % SPAN != 0:
         n = tl.minimum(n, count - 1)
     return n
 
@@ -1175,8 +1177,8 @@ def _down_columns(hv_ptr, pair, m_ok, w_e, ws_e, rows_ptr, j0, LATENT: tl.conste
         n = (j0 + it // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = (it % STEPS) * BLOCK_K
         a = _staged_activations(hv_ptr, pair, m_ok, k0, INTER, MASK_ROWS, BLOCK_K)
-        w = _decoded_weights(w_e, ws_e, _clamped(n, LATENT, BLOCK_N), k0, INTER, BLOCK_N,
-                             BLOCK_K, ROW_BLOCK, WIDE_SCALES, INTERPRET)
+        w = _decoded_weights(w_e, ws_e, _clamped(n, LATENT, BLOCK_N * COLS), k0, INTER,
+                             BLOCK_N, BLOCK_K, ROW_BLOCK, WIDE_SCALES, INTERPRET)
         # Zeroed before a column tile's first product, not after its store: reset there,
         # the accumulator is written by other instructions inside the loop's wgmma
         # pipeline, and Triton 3.6's ptxas then waits out every wgmma (its advice C7515),
