@@ -16,7 +16,9 @@ the exact function, which the tests bound at 16 (tests/test_situ.py, tests/test_
 tests/test_experts.py), except where sigmoid(g) is below FP32's least normal number
 (g < -87.34): there it is taken as 0, so SiTU is a signed zero (NaN for an infinite u'),
 where an evaluation with subnormals gives at most 2**-126 |beta u'| (1.2e-36 with
-Kimi-K3's parameters). Triton's interpreter runs no PTX:
+Kimi-K3's parameters); and where g / beta itself is below the least normal number, whose
+FP32 value (as in the stock path's division) lies on the subnormal grid, up to one grid
+step carried through beta * sigmoid(g) * u'. Triton's interpreter runs no PTX:
 there ``tl.exp`` and ``/``, their subnormal results flushed as the GPU's are."""
 
 import triton
