@@ -26,7 +26,9 @@ measured in the same run, or its FLOPs over the BF16 matmul rate measured in the
 where that is larger. Weights that fit in L2 (60 MB on an H200) are rotated through
 copies worth >= 128 MB, so that a stage reads them from HBM as the real layer (other
 layers in between) does. A stage is timed only after its output was checked against
-the stock reference in this run: a fast wrong kernel reports no number.
+the stock reference in this run: a fast wrong kernel reports no number. Beside each
+row, the SM clock and board power NVML reads right after its timing: at the board's
+power limit the clock drops, and a timing with it.
 """
 
 from __future__ import annotations
@@ -152,11 +154,38 @@ def bench_once(fn) -> float:
     return start.elapsed_time(end) * 1e-3
 
 
+_NVML = []  # the GPU's NVML handle once opened, or None where NVML cannot be read
+
+
+def power_state() -> str:
+    """The GPU's SM clock and board power as NVML reads them now ("" in a dry run or
+    without NVML). Read right after a timing, it says whether that timing ran at the
+    board's power limit, where the SM clock drops and a timing moves with the GPU's
+    recent draw: at TP8, b = 1024 the experts call spread over 785-857 µs within a
+    minute there (benchmarks/NOTES.md, twelfth lease)."""
+    if DRY:
+        return ""
+    try:
+        import pynvml
+
+        if not _NVML:
+            pynvml.nvmlInit()
+            _NVML.append(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+        h = _NVML[0]
+        return (f"{pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)} MHz, "
+                f"{pynvml.nvmlDeviceGetPowerUsage(h) / 1000:.0f} W")
+    except Exception:  # informative only, as the header's clocks
+        return ""
+
+
 def record(shape, b, stage, impl, seconds, nbytes, machine, flops=0.0, check=""):
+    """One row; ``seconds`` is timed before the call, so ``power_state`` reads the GPU
+    right after its timing."""
     floor = max(nbytes / machine.copy_bw, flops / machine.bf16_flops)
     ROWS.append(dict(shape=shape, b=b, stage=stage, impl=impl, us=seconds * 1e6,
                      floor_us=floor * 1e6, bw_TBps=nbytes / seconds / 1e12,
-                     of_copy_bw=nbytes / seconds / machine.copy_bw, check=check))
+                     of_copy_bw=nbytes / seconds / machine.copy_bw, check=check,
+                     after=power_state()))
 
 
 def rotation(*tensors, nbytes=ROTATE_BYTES):
@@ -568,7 +597,7 @@ def print_rows(shape, b):
         if r["shape"] == shape and r["b"] == b:
             print(f"   {r['shape']:>5} {r['b']:>5} {r['stage']:<18} {r['impl']:<34} "
                   f"{r['us']:>9.1f} us  floor {r['floor_us']:>8.1f} us  "
-                  f"{r['of_copy_bw']:>6.1%} of copy BW  {r['check']}", flush=True)
+                  f"{r['of_copy_bw']:>6.1%} of copy BW  {r['check']}  {r['after']}", flush=True)
 
 
 def speedups(r) -> str:
@@ -582,12 +611,12 @@ def speedups(r) -> str:
 
 
 def table_lines() -> list[str]:
-    lines = ["| shape | b | stage | impl | µs | floor µs | floor/time | TB/s | speed-up | check |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | b | stage | impl | µs | floor µs | floor/time | TB/s | speed-up | check "
+             "| SM clock, power after |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ROWS:
         lines.append(f"| {r['shape']} | {r['b']} | {r['stage']} | {r['impl']} | {r['us']:.1f} "
                      f"| {r['floor_us']:.1f} | {r['floor_us'] / r['us']:.0%} | "
-                     f"{r['bw_TBps']:.2f} | {speedups(r)} | {r['check']} |")
+                     f"{r['bw_TBps']:.2f} | {speedups(r)} | {r['check']} | {r['after']} |")
     return lines
 
 
