@@ -154,7 +154,7 @@ def bench_once(fn) -> float:
     return start.elapsed_time(end) * 1e-3
 
 
-_NVML = []  # the GPU's NVML handle once opened, or None where NVML cannot be read
+_NVML = []  # [the GPU's NVML handle] once opened, [None] where NVML cannot be opened
 
 
 def power_state() -> str:
@@ -165,16 +165,21 @@ def power_state() -> str:
     minute there (benchmarks/NOTES.md, twelfth lease)."""
     if DRY:
         return ""
-    try:
+    try:  # informative only, as the header's clocks: any failure leaves the column empty
         import pynvml
 
         if not _NVML:
-            pynvml.nvmlInit()
-            _NVML.append(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+            try:
+                pynvml.nvmlInit()
+                _NVML.append(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+            except Exception:
+                _NVML.append(None)  # not tried again for every row
+        if _NVML[0] is None:
+            return ""
         h = _NVML[0]
         return (f"{pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)} MHz, "
                 f"{pynvml.nvmlDeviceGetPowerUsage(h) / 1000:.0f} W")
-    except Exception:  # informative only, as the header's clocks
+    except Exception:
         return ""
 
 
