@@ -95,10 +95,7 @@ def header() -> Machine:
     name = torch.cuda.get_device_name()
     clocks = ""
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        pynvml, h = nvml()
         clocks = (f"SM {pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)} MHz "
                   f"(max {pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)}), "
                   f"memory {pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)} MHz")
@@ -154,7 +151,23 @@ def bench_once(fn) -> float:
     return start.elapsed_time(end) * 1e-3
 
 
-_NVML = []  # [the GPU's NVML handle] once opened, [None] where NVML cannot be opened
+_NVML: list = []  # [(pynvml, the GPU's handle)] once NVML is open, [the error] if it failed
+
+
+def nvml():
+    """(the pynvml module, this GPU's NVML handle), NVML opened on the first call; where
+    that failed, raises its error on every call, without trying again."""
+    if not _NVML:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            _NVML.append((pynvml, pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())))
+        except Exception as err:
+            _NVML.append(err)
+    if isinstance(_NVML[0], Exception):
+        raise _NVML[0]
+    return _NVML[0]
 
 
 def power_state() -> str:
@@ -166,17 +179,7 @@ def power_state() -> str:
     if DRY:
         return ""
     try:  # informative only, as the header's clocks: any failure leaves the column empty
-        import pynvml
-
-        if not _NVML:
-            try:
-                pynvml.nvmlInit()
-                _NVML.append(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
-            except Exception:
-                _NVML.append(None)  # not tried again for every row
-        if _NVML[0] is None:
-            return ""
-        h = _NVML[0]
+        pynvml, h = nvml()
         return (f"{pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)} MHz, "
                 f"{pynvml.nvmlDeviceGetPowerUsage(h) / 1000:.0f} W")
     except Exception:
