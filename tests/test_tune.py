@@ -1,6 +1,7 @@
 """The tuning sweep's choices, with stand-in kernels whose times the test sets: one
 reduction setting for every bucket of a shape (the least worst slowdown), a config
-that fails its check never chosen, resume and the time limit."""
+that fails its check never chosen, the final choice by interleaved rounds, resume and
+the time limit."""
 
 import json
 import os
@@ -290,7 +291,7 @@ class Drifting(Model):
 
 def test_sweep_keeps_the_default_where_the_final_timing_finds_it_faster(monkeypatch,
                                                                         tmp_path):
-    """The paired timing at the end decides between the best and the default; the
+    """The final rounds decide between the sweep's fastest and the default; the
     reduction setting chosen for a shape is kept at every bucket."""
     monkeypatch.setattr(tune, "_time_again", lambda: True)
     out = sweep(monkeypatch, tmp_path, Drifting(4))
@@ -300,6 +301,94 @@ def test_sweep_keeps_the_default_where_the_final_timing_finds_it_faster(monkeypa
                for t in table["timings_us"]["plain"]["S1"].values())
     front_entries = table["kernels"]["front"][front.shape_key(560, 7168)].values()
     assert len({(c["BLOCK_K"], c["SPLIT_K"]) for c in front_entries}) == 1
+
+
+@given(base=st.lists(st.floats(1.0, 1e3), min_size=1, max_size=6),
+       rounds=st.sampled_from([1, 3, 5, 7]), drift=st.floats(0.0, 10.0),
+       failing=st.lists(st.integers(0, 40), max_size=2))
+def test_final_ranking_interleaves_rounds_against_drift(base, rounds, drift, failing):
+    """Each config is timed once a round, in an order that rotates round by round, and
+    its median is taken: a timing that drifts by ``drift`` a call (a GPU slowing at its
+    power cap) moves any two medians apart by less than drift * len(configs), however
+    many rounds (configs timed round after round, not interleaved, would drift apart by
+    up to drift * rounds * len(configs)). A config that fails in any round gets None."""
+    n = len(base)
+    calls: list = []
+
+    def time_fn(config):
+        calls.append(config["i"])
+        if len(calls) - 1 in failing:
+            return None
+        return base[config["i"]] + drift * (len(calls) - 1)
+
+    medians = tune.final_ranking([{"i": i} for i in range(n)], time_fn, rounds)
+    assert len(calls) == n * rounds
+    for r in range(rounds):  # one timing of each config a round, rotated by r
+        assert calls[r * n:(r + 1) * n] == [(r + j) % n for j in range(n)]
+    failed = {calls[k] for k in failing if k < len(calls)}
+    assert [m is None for m in medians] == [i in failed for i in range(n)]
+    shifts = [m - base[i] for i, m in enumerate(medians) if m is not None]
+    if shifts:
+        assert max(shifts) - min(shifts) < drift * n + 1e-6 * max(base)
+
+
+class Misleading(Model):
+    """A Model whose "plain" configs read otherwise when first timed (the sweep) than
+    ever after (the final rounds): first X = 1 fastest, then 2, 3; after, X = 2 is the
+    fastest of those and X = 1 the slowest; X = 4 and 5, truly the fastest, rank below
+    the finalists in the sweep. The default (X = 0) reads 5.0 each time."""
+
+    FIRST = {0: 5.0, 1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}
+    AFTER = {0: 5.0, 1: 9.0, 2: 2.0, 3: 3.0, 4: 0.5, 5: 0.5}
+
+    def __init__(self, seed):
+        super().__init__(seed, 0.0)
+        self.count: dict = {}
+
+    def time(self, case, config, rep=20):
+        if case.kernel != "plain":
+            return super().time(case, config, rep)
+        key = (case.b, tune._key(config))
+        self.count[key] = self.count.get(key, 0) + 1
+        return (self.FIRST if self.count[key] == 1 else self.AFTER)[config["X"]]
+
+
+@pytest.mark.parametrize("rounds", [1, 5])
+def test_sweep_chooses_by_the_final_rounds_among_its_fastest(monkeypatch, tmp_path, rounds):
+    """At each point the sweep's fastest ``--finalists`` configs and the default are
+    timed ``--rounds`` more times, and the least median is chosen: here X = 2, neither
+    the sweep's fastest (X = 1, which the final rounds find slower than the default)
+    nor the default; configs outside the finalists are not timed again."""
+    monkeypatch.setattr(tune, "_time_again", lambda: True)
+    model = Misleading(11)
+    out = sweep(monkeypatch, tmp_path, model, "--kernels", "plain", "--finalists", "3",
+                "--rounds", str(rounds))
+    table = json.loads(out.read_text())
+    assert all(c == {"X": 2} for c in table["kernels"]["plain"]["S1"].values())
+    assert all(t == {"tuned": 2.0, "default": 5.0}
+               for t in table["timings_us"]["plain"]["S1"].values())
+    assert "(final: 3 finalists, " + str(rounds) + " rounds)" in table["sweep"]
+    for b in BUCKETS:
+        for x in range(6):
+            timed = model.count.get((b, tune._key({"X": x})), 0)
+            assert timed == (1 + rounds if x <= 3 else 1), (b, x, timed)
+
+
+def test_the_tables_config_is_a_finalist(monkeypatch, tmp_path):
+    """The config the table holds for a point joins the final rounds even where the
+    sweep ranked it below the finalists (X = 5 here, truly the fastest): a sweep replaces
+    it only by beating it in the same rounds."""
+    monkeypatch.setattr(tune, "_time_again", lambda: True)
+    monkeypatch.setattr(tune, "_shipped_table", lambda args: {
+        "plain": {"S1": {str(b): {"X": 5} for b in BUCKETS}}})
+    model = Misleading(12)
+    out = sweep(monkeypatch, tmp_path, model, "--kernels", "plain", "--finalists", "2")
+    table = json.loads(out.read_text())
+    assert all(c == {"X": 5} for c in table["kernels"]["plain"]["S1"].values())
+    assert all(t == {"tuned": 0.5, "default": 5.0}
+               for t in table["timings_us"]["plain"]["S1"].values())
+    for b in BUCKETS:  # the finalists: the default, X = 5, the sweep's X = 1 and 2
+        assert [model.count[(b, tune._key({"X": x}))] for x in range(6)] == [4, 4, 4, 1, 1, 4]
 
 
 def test_sweep_time_limit_writes_what_is_done(monkeypatch, tmp_path):
