@@ -569,7 +569,7 @@ def whole_layer(stock, batches, machine, label="tp1", stock_batches=None):
                 graph, y = capture_graph(wide, static)
                 graph.replay()
                 torch.cuda.synchronize()
-                check = graph_check(y, wide(static), wide(static))
+                check = graph_check(y, wide(static), lambda: wide(static))
                 if check != "= eager":
                     print(f"!! {label} b={b}: the graph's output {check}")
                 record(label, b, "layer", "WideMoE graph", bench_eager(graph.replay), nb,
@@ -586,14 +586,14 @@ def whole_layer(stock, batches, machine, label="tp1", stock_batches=None):
 
 def graph_check(replayed, eager, eager_again) -> str:
     """"= eager" where the graph's output has the bits of an eager call on the same input;
-    else how many elements differ, by how much, and whether two eager calls agree with
-    each other (if not, the layer itself is not reproducible at this width, graph or
-    not)."""
+    else how many elements differ, by how much, and whether a second eager call
+    (``eager_again()``, made only then) agrees with the first (if not, the layer itself
+    is not reproducible at this width, graph or not)."""
     if torch.equal(replayed, eager):
         return "= eager"
     differ = (replayed.view(torch.int16) != eager.view(torch.int16))
     delta = (replayed.float() - eager.float()).abs().max().item()
-    again = "equal" if torch.equal(eager, eager_again) else "differ"
+    again = "equal" if torch.equal(eager, eager_again()) else "differ"
     return (f"!= eager ({differ.sum().item()} of {differ.numel()} elements in "
             f"{differ.any(dim=1).sum().item()} rows, max |diff| {delta:.2e}; two eager "
             f"calls {again})")

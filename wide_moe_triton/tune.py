@@ -832,8 +832,8 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
 
 
 def gains_report(done: dict, title: str) -> str:
-    """Markdown: the tuned config against the default at every point of the sweep (both
-    timed again at the end of the same run), and the gain per kernel."""
+    """Markdown: the tuned config against the default at every point of the sweep (on a GPU
+    their medians of the final rounds, ``final_ranking``), and the gain per kernel."""
     lines = [f"# {title}", "",
              "At the end of the same sweep, each point's default and its fastest configs "
              "were checked and timed again in interleaved rounds (`tune.final_ranking`; "
