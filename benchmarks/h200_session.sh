@@ -9,7 +9,8 @@
 #          result on its own line so a timeout still names what failed); it compiles
 #          for minutes: more than 530 s on 2026-12-03, hence a call of its own
 #   check  the matmul_ogs peer's test, then reliability: invariance + claim order +
-#          10 000 graph replays (E = 128), memcheck and racecheck on a tiny run
+#          2 000 graph replays at b = 65 / 256 / 1024 (E = 896), memcheck and racecheck
+#          on a tiny run
 #   tune   the quick sweep at TP8, TP16, TP1 into $OUT/NVIDIA_H200.json (candidates
 #          compiled in a thread pool first; TUNE_RESUME=FILE goes on from an earlier
 #          call's .partial.json); fold it into autotune_configs/ and copy
@@ -95,9 +96,11 @@ case "${1:-}" in
     step peers 60 30 env PYTHONPATH=.peers python -m pytest -q -p no:cacheprovider \
       benchmarks/test_peers.py
     show peers "passed|failed|error" 2
-    step reliability 180 60 python benchmarks/reliability.py --invariance --claim-order \
-      --replays 10000
-    show reliability "invariance|claim order|replays|DIFFER|reliability:|Error"
+    # at E = 896 with the tuned configs (their graph != eager at b = 65-256 showed only
+    # there, fourteenth lease); on a difference it names the first stage that differs
+    step reliability 240 60 python benchmarks/reliability.py --experts 896 --invariance \
+      --claim-order --batch 65 256 1024 --replays 2000 --check-every 100
+    show reliability "invariance|claim order|replays|differ|DIFFER|reliability:|Error"
     step memcheck 75 30 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer \
       --tool memcheck --error-exitcode 9 python benchmarks/reliability.py --sanitize
     show memcheck "ERROR SUMMARY|sanitize b=|Error" 5

@@ -17,7 +17,8 @@ loop holding HGMMA, per weight element a thread decodes an iteration (loop instr
 x threads / elements), how many instructions lie outside that loop (what a tile or a
 program runs once: the pipeline's prologue, SiTU, the MXFP8 rounding, the stores), and
 ptxas's advice C7515 where it serializes the kernel's wgmma (Triton 3.9's compile of
-the same source does not draw it: this check needs 3.6)."""
+the same source does not draw it: this check needs 3.6), and any write to the register
+operand of an MMA still in flight (tests/sass_hazards.py)."""
 import collections
 import os
 import re
@@ -25,14 +26,17 @@ import subprocess
 import sys
 import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
 from wide_moe_triton.kernels import experts as ex
+import sass_hazards  # tests/: writes to an in-flight MMA's register operand
 
 L, I = 3584, 384
 WIDE = bool(int(os.environ.get("WIDE", "0")))
-CUOBJ = "/work/v36/lib/python3.11/site-packages/triton/backends/nvidia/bin/cuobjdump"
+CUOBJ = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 def compile_kernel(kind, cfg, layout="wgmma"):
     dec = ex.LAYOUT_DECODE.get(layout, 0) if hasattr(ex, "LAYOUT_DECODE") else 0
@@ -167,6 +171,10 @@ def report(kind, cfg, layout="wgmma", show=False):
     advice = serialized_wgmma(k)
     if advice:
         print(f"   SERIALIZED WGMMA: {advice}")
+    hazards, _, _ = sass_hazards.kernel_hazards(sass)
+    if hazards:  # tests/sass_hazards.py: wrong results that depend on timing
+        print(f"   {len(hazards)} WRITES TO AN IN-FLIGHT MMA'S A REGISTERS, first "
+              f"{hazards[0].writer!r} over {hazards[0].mma!r}")
     if show:  # the listings, for reading
         for ext, text in (("ttgir", ttgir), ("sass", sass), ("ptx", k.asm["ptx"])):
             with open(f"{kind}_{layout}.{ext}", "w") as f:

@@ -5,7 +5,10 @@
 SPECS.json holds {"targets": [90, 100], "specs": [...]}, each spec a kernel's module and
 name, its argument types, constexpr values (those in "per_target" by target), 16-divisible
 argument indices and options.
-Prints one JSON line last: {"compiled": n, "failures": ["kernel sm_X {...}: error", ...]}.
+Every sm_90 compile's SASS is also searched for writes to the register operand of an MMA
+still in flight (``sass_hazards``): each kernel that has one is a failure.
+Prints one JSON line last: {"compiled": n, "failures": ["kernel sm_X {...}: error", ...],
+"register_mmas": {kernel: MMAs with a register operand in its sm_90 SASS, summed}}.
 Must run without TRITON_INTERPRET, so that ``triton.jit`` builds compilable functions."""
 import importlib
 import json
@@ -16,8 +19,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import sass_hazards  # this folder is on sys.path: the script runs from it
 
-def compile_spec(spec: dict, capability: int) -> None:
+HOPPER = 9
+
+
+def compile_spec(spec: dict, capability: int):
     fn = getattr(importlib.import_module(spec["module"]), spec["kernel"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in spec["divisible"]}
     # Constexprs a launch sets by the GPU it runs on: this target's value.
@@ -25,24 +32,42 @@ def compile_spec(spec: dict, capability: int) -> None:
     constexprs.update({name: by_target[str(capability)]
                        for name, by_target in spec.get("per_target", {}).items()})
     src = ASTSource(fn, signature=spec["signature"], constexprs=constexprs, attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", capability, 32), options=spec["options"])
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options=spec["options"])
+
+
+def register_hazards(kernel) -> tuple[str | None, int]:
+    """(a description of the kernel's first write to an in-flight MMA's register operand,
+    or None; how many MMAs with a register operand its SASS holds)."""
+    found, register_mmas, _ = sass_hazards.kernel_hazards(
+        sass_hazards.sass_of(kernel.asm["cubin"]))
+    if not found:
+        return None, register_mmas
+    return (f"{len(found)} writes to the A registers of an MMA still in flight, first "
+            f"{found[0].writer!r} over {found[0].mma!r} ({found[0].where})"), register_mmas
 
 
 def main(path: str) -> None:
     assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
     todo = json.loads(open(path).read())
-    compiled, failures = 0, []
+    compiled, failures, register_mmas = 0, [], {}
     for spec in todo["specs"]:
         for capability in todo["targets"]:
+            what = {k: spec[k] for k in ("constexprs", "per_target", "options") if k in spec}
             try:
-                compile_spec(spec, capability)
+                kernel = compile_spec(spec, capability)
+                if capability // 10 == HOPPER:
+                    hazard, mmas = register_hazards(kernel)
+                    name = spec["kernel"]
+                    register_mmas[name] = register_mmas.get(name, 0) + mmas
+                    if hazard:
+                        failures.append(f"{name} sm_{capability} {what}: {hazard}")
             except Exception as e:  # every failure is reported, none stops the others
-                what = {k: spec[k] for k in ("constexprs", "per_target", "options")
-                        if k in spec}
                 failures.append(f"{spec['kernel']} sm_{capability} {what}: "
                                 f"{type(e).__name__}: {str(e)[-1500:]}")
             compiled += 1
-    print(json.dumps({"compiled": compiled, "failures": failures}))
+    print(json.dumps({"compiled": compiled, "failures": failures,
+                      "register_mmas": register_mmas}))
 
 
 if __name__ == "__main__":

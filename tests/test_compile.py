@@ -34,7 +34,7 @@ from conftest import DEVICE, poison
 from test_experts import (BETA, E, K, L, LINEAR_BETA, WIDE_ROWS, configs, make_ids, make_plan,
                           stock_weights)
 from wide_moe_triton import LatentMoE, SimulatedGroup, WideMoE, WideMoEConfig
-from wide_moe_triton import kernels
+from wide_moe_triton import kernels, tuning
 from wide_moe_triton.kernels import experts as ex
 from wide_moe_triton.kernels import front as front_k
 from wide_moe_triton.kernels import mailbox as mailbox_k
@@ -171,23 +171,30 @@ def run_experts_workload():
     # the up weights through TMA descriptors (I a multiple of the 64-row tiles)
     tma_stock = stock_weights(2 * ex.ROW_BLOCK)
     variants.append(("wgmma_decode", tma_stock, (1, 1), False, dict(TMA=1)))
-    for layout, stock, a_bf16, wide, keys in variants:
-        weights = ex.prepare_weights(*stock, layout=layout)
-        counts, pairs, gen = ex.routing_lists(ids, E, WIDE_ROWS)
-        rows = poison(torch.empty(b * K, L, dtype=torch.bfloat16))
-        up, down = configs(a_bf16, wide, layout)
-        down_keys = {k: v for k, v in keys.items() if k != "TMA"}  # an up-launch key
-        ex.experts(q, qs, weights, counts, pairs, gen, K, BETA, LINEAR_BETA, rows=rows,
-                   config_up=dict(up, **keys), config_down=dict(down, **down_keys))
-        assert not torch.isnan(rows.float()).any(), f"{layout} {a_bf16}: rows left unwritten"
+    for variant in variants:
+        launch_experts(ids, q, qs, *variant)
 
 
-def compile_all(specs, tmp_path) -> list[str]:
+def launch_experts(ids, q, qs, layout, stock, a_bf16, wide, keys):
+    """One experts call over ``ids`` in ``layout`` (the up/down launches' A_BF16, wide
+    configs, extra config ``keys``); every row written."""
+    weights = ex.prepare_weights(*stock, layout=layout)
+    counts, pairs, gen = ex.routing_lists(ids, E, WIDE_ROWS)
+    rows = poison(torch.empty(ids.shape[0] * K, L, dtype=torch.bfloat16))
+    up, down = configs(a_bf16, wide, layout)
+    down_keys = {k: v for k, v in keys.items() if k != "TMA"}  # an up-launch key
+    ex.experts(q, qs, weights, counts, pairs, gen, K, BETA, LINEAR_BETA, rows=rows,
+               config_up=dict(up, **keys), config_down=dict(down, **down_keys))
+    assert not torch.isnan(rows.float()).any(), f"{layout} {a_bf16}: rows left unwritten"
+
+
+def compile_all(specs, tmp_path, targets=TARGETS) -> dict:
     """Compile each distinct spec for each target in a subprocess (no TRITON_INTERPRET);
-    returns one line per failure."""
+    returns compile_specs.py's report: one line a failure (an error, or on sm_90 a write
+    to the register operand of an MMA in flight), and the register-operand MMAs seen."""
     distinct = list({json.dumps(s, sort_keys=True): s for s in specs}.values())
     path = tmp_path / "specs.json"
-    path.write_text(json.dumps({"targets": list(TARGETS), "specs": distinct}))
+    path.write_text(json.dumps({"targets": list(targets), "specs": distinct}))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     here = pathlib.Path(__file__).parent
@@ -195,8 +202,8 @@ def compile_all(specs, tmp_path) -> list[str]:
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.splitlines()[-1])
-    assert report["compiled"] == len(distinct) * len(TARGETS), report
-    return report["failures"]
+    assert report["compiled"] == len(distinct) * len(targets), report
+    return report
 
 
 def test_every_launched_kernel_compiles_for_h200_and_b200(recorded, tmp_path):
@@ -210,5 +217,62 @@ def test_every_launched_kernel_compiles_for_h200_and_b200(recorded, tmp_path):
               if name.endswith("_kernel") and isinstance(obj, interpreter.InterpretedFunction)}
     assert wanted <= launched, f"the workload never launched {sorted(wanted - launched)}"
     assert len(wanted) >= 10, sorted(wanted)
-    failures = compile_all(recorded, tmp_path)
-    assert not failures, "\n".join(failures)
+    report = compile_all(recorded, tmp_path)
+    assert not report["failures"], "\n".join(report["failures"])
+    # the search for MMA register hazards saw the experts' register-operand MMAs
+    assert all(report["register_mmas"].get(k, 0) > 0
+               for k in ("_experts_up_kernel", "_experts_down_kernel")), report["register_mmas"]
+
+
+def table_spec(recorded_spec: dict, dims: str, config: dict, partner: dict) -> dict:
+    """A recorded experts launch (tiny dims) rewritten to a tuned table entry: dims key
+    ``dims`` (L.._I.._E.._decode), launch ``config`` and, for the up launch, the down
+    config of the same width (``partner``: whether the up launch stores BF16 values)."""
+    latent, inter = (int(p[1:]) for p in dims.split("_")[:2])
+    up = recorded_spec["kernel"] == "_experts_up_kernel"
+    spec = json.loads(json.dumps(recorded_spec))
+    values = dict(LATENT=latent, INTER=inter, TOP_K=WideMoEConfig.kimi_k3().top_k,
+                  ROW_BLOCK=ex.ROW_BLOCK, NUM_STAGES=config["num_stages"],
+                  BLOCK_K=ex.reduction_block(latent if up else inter,
+                                             ex.BLOCK_K_UP if up else ex.BLOCK_K_DOWN),
+                  **{k: config.get(k, ex.STAGED_KEYS.get(k, 0))
+                     for k in ("BLOCK_M", "BLOCK_N", "A_BF16", *ex.STAGED_KEYS)})
+    if up:
+        values["STORE_VALUES"] = partner["A_BF16"]
+    for name, value in values.items():
+        if name in spec["constexprs"]:
+            spec["constexprs"][name] = value
+        if name in spec.get("per_target", {}):
+            spec["per_target"][name] = {c: value for c in spec["per_target"][name]}
+    spec["options"] = {k: config[k] for k in OPTIONS if config.get(k)}
+    return spec
+
+
+def test_h200_table_experts_leave_no_mma_register_operand_in_flight(recorded, tmp_path):
+    """Every experts config of the shipped H200 table (decode layout: the Hopper path whose
+    MMAs take the weights from registers), at its production dims, compiled for sm_90:
+    no instruction writes the A registers of an MMA still in flight (sass_hazards.py;
+    Triton 3.6 left such writes in the up and down loops until the fourteenth lease)."""
+    ids, plan = make_ids("random", 9, 0), make_plan(9, 0)
+    for keys, inter in (({}, 32), (dict(TMA=1), 2 * ex.ROW_BLOCK)):  # TMA: I of whole tiles
+        launch_experts(ids, *plan, "wgmma_decode", stock_weights(inter), (1, 1), False, keys)
+    decode = {}
+    for spec in recorded:
+        c = spec["constexprs"]
+        if c.get("DECODE") and spec["kernel"] in ("_experts_up_kernel", "_experts_down_kernel"):
+            decode.setdefault((spec["kernel"], c.get("TMA", 0)), spec)
+    table = tuning.load_table("NVIDIA H200")["kernels"]
+    specs = []
+    for dims, by_width in table[ex.KERNEL_UP].items():
+        if not dims.endswith("_decode"):
+            continue
+        downs = table[ex.KERNEL_DOWN][dims]
+        for width, up in by_width.items():
+            down = downs[tuning.bucket_for(int(width), downs)]
+            specs.append(table_spec(decode[("_experts_up_kernel", up.get("TMA", 0))], dims,
+                                    up, down))
+            specs.append(table_spec(decode[("_experts_down_kernel", 0)], dims, down, down))
+    assert len(specs) >= 8, "the table lost its decode-layout experts entries"
+    report = compile_all(specs, tmp_path, targets=(90,))
+    assert not report["failures"], "\n".join(report["failures"])
+    assert report["register_mmas"].get("_experts_up_kernel", 0) > 0, report["register_mmas"]

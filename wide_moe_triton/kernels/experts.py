@@ -37,6 +37,9 @@ How the weights stream (Hopper; benchmarks/NOTES.md has the measurements):
   codes to ``tl.dot_scaled``, whose activation operand the pipeliner does not stage
   (``_reduce_prefetched``).
 - ``maxnreg`` (a register cap, per config) buys resident warps to hide latency.
+- The staged path's MMAs take the decoded weights from registers: each step waits for
+  its MMAs before the next step decodes into those registers (``_settled``), which
+  Triton 3.6 does not ensure by itself.
 
 Reproducibility: an output row of an MMA depends only on its own input row and on the
 order of the reduction, which is fixed by BLOCK_K (chosen per shape, at
@@ -956,6 +959,26 @@ def _reduce_staged(acc, values_ptr, act_rows, act_ok, w_e, ws_e, w_rows, K: tl.c
             w = _decoded_weights(w_e, ws_e, w_rows, k0, K, BLOCK_N, BLOCK_K, ROW_BLOCK,
                                  WIDE_SCALES, INTERPRET)
         acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
+        acc = _settled(acc, INTERPRET)
+    return acc
+
+
+@triton.jit
+def _settled(acc, INTERPRET: tl.constexpr):
+    """acc, once every MMA of the step has completed.
+
+    The step's MMAs read the decoded weights from registers after they issue. Left to
+    itself, Triton 3.6's pipeliner waits for all but the last MMA group of a step, and
+    the next step's decode overwrites the registers of the groups still in flight
+    (triton-lang/triton#9433): rows then depend on timing (on the H200, when another
+    kernel's programs share the SMs: benchmarks/NOTES.md, fourteenth lease). A read of
+    acc by an instruction that is not an MMA (a register move) makes the compiler
+    complete them before anything overwrites their registers (Triton 3.6 then waits for
+    each group as it issues, which the H200 ran faster, not slower: NOTES);
+    tests/test_compile.py checks the SASS of every tuned config for such writes."""
+    if not INTERPRET:
+        acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32,
+                                        is_pure=True, pack=1)
     return acc
 
 
