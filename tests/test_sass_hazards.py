@@ -1,11 +1,19 @@
 """sass_hazards.py: a write to the A registers of an MMA group is reported exactly when,
 by the PTX rule (``wgmma.wait_group``), the group may still be in flight there: on drawn
 instruction sequences of groups, waits and writes in straight-line code and around a
-loop, in the text form cuobjdump prints."""
+loop, in the text form cuobjdump prints. On a Hopper GPU, also the experts kernels the
+JIT compiled there, at every config of that GPU's table."""
 
+import os
+
+import pytest
+import torch
 from hypothesis import given, settings, strategies as st
 
 import sass_hazards as sh
+from wide_moe_triton import LatentMoE, WideMoEConfig, mx, tuning
+from wide_moe_triton.kernels import experts as ex
+from wide_moe_triton.sharding import shard
 
 WRITERS = [  # (instruction with {r} for the destination, registers it writes from {r})
     ("MOV R{r}, 0x800080", 1), ("IMAD.MOV.U32 R{r}, RZ, RZ, 0x800080", 1),
@@ -93,3 +101,55 @@ def test_written_registers_widths(writer, r):
 @given(st.sampled_from(NOT_WRITERS), st.integers(0, 200))
 def test_stores_compares_and_barriers_write_no_register(text, r):
     assert sh.written_registers(text.format(r=r)) == set()
+
+
+def _on_hopper() -> bool:
+    return (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+            and torch.cuda.get_device_capability()[0] == ex.HOPPER)
+
+
+@pytest.mark.skipif(not _on_hopper(), reason="needs a Hopper GPU (the JIT's own compiles; "
+                    "without one, test_compile.py checks the same configs' SASS)")
+def test_experts_compiled_on_this_gpu_leave_no_mma_register_operand_in_flight():
+    """Every decode-layout experts config of this GPU's table (and the defaults), at its
+    dims with 16 experts (one a rank at TP16), run on this GPU: the kernels the JIT
+    compiled here (this machine's Triton and ptxas; those of earlier tests in the process
+    too) write no A register of an MMA still in flight."""
+    dev = torch.device("cuda")
+    table = (tuning.load_table(tuning.gpu_name(dev)) or {}).get("kernels", {})
+    entries = {}  # (L, I) -> [(up, down)]
+    for dims, by_width in table.get(ex.KERNEL_UP, {}).items():
+        if dims.endswith("_decode"):
+            latent, inter = (int(p[1:]) for p in dims.split("_")[:2])
+            downs = table[ex.KERNEL_DOWN][dims]
+            entries.setdefault((latent, inter), []).extend(
+                (up, downs[tuning.bucket_for(int(w), downs)]) for w, up in by_width.items())
+    base = WideMoEConfig.kimi_k3(tp=1).replace(num_experts=16, top_k=4)
+    entries.setdefault((base.latent, base.expert_intermediate // 8), []).append(
+        (ex.DEFAULT_UP_STAGED, ex.DEFAULT_DOWN_STAGED))
+    stock = LatentMoE(base, seed=0, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for (latent, inter), configs in entries.items():
+        assert latent == base.latent, "a table entry at another latent width"
+        rank = shard(stock, 0, base.expert_intermediate // inter)
+        weights = ex.prepare_weights(rank.w13, rank.w13_scales, rank.w2, rank.w2_scales,
+                                     layout="wgmma_decode")
+        b = 24
+        ids = torch.stack([torch.randperm(base.num_experts, generator=gen, device=dev)
+                           [:base.top_k] for _ in range(b)]).int()
+        q, qs = mx.quantize_mxfp8(torch.randn(b, latent, generator=gen, device=dev))
+        counts, pairs, generation = ex.routing_lists(ids, base.num_experts, b)
+        for up, down in configs:
+            ex.experts(q, qs, weights, counts, pairs, generation, base.top_k, base.beta,
+                       base.linear_beta, config_up=up, config_down=down)
+    torch.cuda.synchronize()
+    # every experts kernel compiled in this process (other tests' too): none may race
+    with_register_mmas = {}
+    for fn in (ex._experts_up_kernel, ex._experts_down_kernel):
+        for kernel in fn.device_caches[torch.cuda.current_device()][0].values():
+            found, register_mmas, _ = sh.kernel_hazards(sh.sass_of(kernel.asm["cubin"]))
+            assert not found, f"{fn.__name__}: {len(found)} hazards, first {found[0]}"
+            with_register_mmas[fn.__name__] = (with_register_mmas.get(fn.__name__, 0)
+                                               + (register_mmas > 0))
+    assert all(with_register_mmas.get(n, 0) >= len(entries)
+               for n in ("_experts_up_kernel", "_experts_down_kernel")), with_register_mmas

@@ -975,7 +975,8 @@ def _settled(acc, INTERPRET: tl.constexpr):
     acc by an instruction that is not an MMA (a register move) makes the compiler
     complete them before anything overwrites their registers (Triton 3.6 then waits for
     each group as it issues, which the H200 ran faster, not slower: NOTES);
-    tests/test_compile.py checks the SASS of every tuned config for such writes."""
+    the SASS of every tuned config is checked for such writes (tests/sass_hazards.py:
+    test_compile.py without a GPU, test_sass_hazards.py on a Hopper GPU)."""
     if not INTERPRET:
         acc = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32,
                                         is_pure=True, pack=1)
