@@ -34,7 +34,7 @@ _LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
 _MMA = re.compile(r"HGMMA\S*\s+R\d+,\s*R(\d+),")
 _WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
-_BRANCH = re.compile(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)")
+_BRANCH = re.compile(r"BRA\s+0x([0-9a-f]+)")
 # Opcodes whose first operand is not a register they write.
 _NO_DESTINATION = {"ST", "STS", "STG", "STL", "STSM", "RED", "REDG", "ATOMS", "BAR", "BRA",
                    "EXIT", "RET", "CALL", "LDGSTS", "DEPBAR", "LDGDEPBAR", "WARPGROUP",
@@ -123,7 +123,7 @@ def mma_loops(insts: list[tuple[int, str]]) -> list[tuple[int, list[str]]]:
         if m and int(m.group(1), 16) <= address:
             start = int(m.group(1), 16)
             body = [x for a, x in insts if start <= a <= address]
-            if any(x.startswith("HGMMA") or "HGMMA" in x for x in body):
+            if any("HGMMA" in x for x in body):
                 loops.append((start, body))
     return loops
 
