@@ -519,18 +519,18 @@ def matmul_ogs_rows(ogs, w, latent, ids, weights, check_b, label, b, machine, fl
 
 # -------------------------------------------------------------------------- whole layer
 
-def capture_graph(module, static, warmups=3):
-    """(CUDA graph of one ``module(static)`` call, its output tensor), after warm-up calls
-    on a side stream (compiles, workspace allocations) as capture requires."""
+def capture_graph(fn, *args, warmups=3):
+    """(CUDA graph of one ``fn(*args)`` call, its output), after warm-up calls on a side
+    stream (compiles, workspace allocations) as capture requires."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmups):
-            module(static)
+            fn(*args)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = module(static)
+        out = fn(*args)
     return graph, out
 
 

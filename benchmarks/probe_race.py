@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
+from bench_layer import capture_graph  # noqa: E402  (this folder is on sys.path)
 from wide_moe_triton import LatentMoE, WideMoE, WideMoEConfig, mx, tuning  # noqa: E402
 from wide_moe_triton.kernels import experts as experts_k  # noqa: E402
 from wide_moe_triton.kernels import finalize as finalize_k  # noqa: E402
@@ -81,19 +82,6 @@ class StageRun:
                 self.rows.view(torch.int16).clone())
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``fn()``, after one warm-up call on a side stream."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def stage_ways(run: StageRun, up: dict, down: dict) -> dict:
     """name -> a function that runs the stage once that way."""
     side, other = torch.cuda.Stream(), torch.cuda.Stream()
@@ -112,7 +100,8 @@ def stage_ways(run: StageRun, up: dict, down: dict) -> dict:
             run.wide.shared(run.x)
         run.call(up, down)
         torch.cuda.current_stream().wait_stream(side)
-    alone, together = graph_of(lambda: run.call(up, down)), graph_of(beside_shared)
+    alone, _ = capture_graph(run.call, up, down, warmups=1)
+    together, _ = capture_graph(beside_shared, warmups=1)
     return {"eager": lambda: run.call(up, down), "eager beside GEMMs": beside_gemms,
             "graph": alone.replay, "eager beside the shared expert": beside_shared,
             "graph beside the shared expert": together.replay}
@@ -189,7 +178,6 @@ def layer_runs(wide, args) -> bool:
     """For each width and variation: a graph of the layer replayed on ``args.runs``
     inputs, each compared stage by stage with an eager call on the same input; True if
     every one agreed."""
-    from bench_layer import capture_graph
     from reliability import first_difference, stage_outputs
 
     cfg, same = wide.cfg, True

@@ -36,7 +36,7 @@ import sass_hazards  # tests/: writes to an in-flight MMA's register operand
 
 L, I = 3584, 384
 WIDE = bool(int(os.environ.get("WIDE", "0")))
-CUOBJ = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+CUOBJ = sass_hazards.CUOBJDUMP
 
 def compile_kernel(kind, cfg, layout="wgmma"):
     dec = ex.LAYOUT_DECODE.get(layout, 0) if hasattr(ex, "LAYOUT_DECODE") else 0
@@ -122,26 +122,10 @@ def sass_of(k):
     k.res = (int(field("REG")), f"{field('STACK')}B stack, local {field('LOCAL')}")
     return _cuobjdump("--dump-sass", path)
 
-def instructions(sass):
-    """(address, instruction) of each SASS line, the alignment NOPs left out."""
-    insts = []
-    for l in sass.splitlines():
-        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", l)
-        if m and m.group(2) != "NOP":
-            insts.append((int(m.group(1), 16), m.group(2)))
-    return insts
-
 def loops_by_labels(sass):
-    insts = instructions(sass)
-    loops = []
-    for i, (ad, ins) in enumerate(insts):
-        m = re.search(r"BRA\s+0x([0-9a-f]+)", ins)
-        if m and int(m.group(1), 16) <= ad:
-            start = int(m.group(1), 16)
-            body = [x for a2, x in insts if start <= a2 <= ad]
-            if any("HGMMA" in x for x in body):
-                loops.append(body)
-    return min(loops, key=len) if loops else []
+    """The shortest loop of the kernel that holds an HGMMA (its inner reduction loop)."""
+    loops = sass_hazards.mma_loops(sass_hazards.instructions(sass))
+    return min((body for _, body in loops), key=len) if loops else []
 
 def hist(body):
     c = collections.Counter()
@@ -167,7 +151,7 @@ def report(kind, cfg, layout="wgmma", show=False):
     spills = sass.count("STL") + sass.count("LDL")
     print(f"   spill ops in loop: {h['STL'] + h['LDL']}, in kernel: {spills}; "
           f"outside the loop (once a tile or a program): "
-          f"{len(instructions(sass)) - len(body)} instr")
+          f"{len(sass_hazards.instructions(sass)) - len(body)} instr")
     advice = serialized_wgmma(k)
     if advice:
         print(f"   SERIALIZED WGMMA: {advice}")

@@ -61,7 +61,7 @@ def sass_of(cubin: bytes) -> str:
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, instruction without its predicate) of each SASS line."""
+    """(address, instruction) of each SASS line, the alignment NOPs left out."""
     out = []
     for line in sass.splitlines():
         m = _LINE.match(line)

@@ -33,6 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from conftest import DEVICE, poison
 from test_experts import (BETA, E, K, L, LINEAR_BETA, WIDE_ROWS, configs, make_ids, make_plan,
                           stock_weights)
+from test_sass_hazards import decode_entries
 from wide_moe_triton import LatentMoE, SimulatedGroup, WideMoE, WideMoEConfig
 from wide_moe_triton import kernels, tuning
 from wide_moe_triton.kernels import experts as ex
@@ -224,11 +225,11 @@ def test_every_launched_kernel_compiles_for_h200_and_b200(recorded, tmp_path):
                for k in ("_experts_up_kernel", "_experts_down_kernel")), report["register_mmas"]
 
 
-def table_spec(recorded_spec: dict, dims: str, config: dict, partner: dict) -> dict:
-    """A recorded experts launch (tiny dims) rewritten to a tuned table entry: dims key
-    ``dims`` (L.._I.._E.._decode), launch ``config`` and, for the up launch, the down
-    config of the same width (``partner``: whether the up launch stores BF16 values)."""
-    latent, inter = (int(p[1:]) for p in dims.split("_")[:2])
+def table_spec(recorded_spec: dict, latent: int, inter: int, config: dict,
+               partner: dict) -> dict:
+    """A recorded experts launch (tiny dims) rewritten to a tuned table entry: dims L and
+    I, launch ``config`` and, for the up launch, the down config of the same width
+    (``partner``: whether the up launch stores BF16 values)."""
     up = recorded_spec["kernel"] == "_experts_up_kernel"
     spec = json.loads(json.dumps(recorded_spec))
     values = dict(LATENT=latent, INTER=inter, TOP_K=WideMoEConfig.kimi_k3().top_k,
@@ -263,15 +264,11 @@ def test_h200_table_experts_leave_no_mma_register_operand_in_flight(recorded, tm
             decode.setdefault((spec["kernel"], c.get("TMA", 0)), spec)
     table = tuning.load_table("NVIDIA H200")["kernels"]
     specs = []
-    for dims, by_width in table[ex.KERNEL_UP].items():
-        if not dims.endswith("_decode"):
-            continue
-        downs = table[ex.KERNEL_DOWN][dims]
-        for width, up in by_width.items():
-            down = downs[tuning.bucket_for(int(width), downs)]
-            specs.append(table_spec(decode[("_experts_up_kernel", up.get("TMA", 0))], dims,
-                                    up, down))
-            specs.append(table_spec(decode[("_experts_down_kernel", 0)], dims, down, down))
+    for latent, inter, up, down in decode_entries(table):
+        specs.append(table_spec(decode[("_experts_up_kernel", up.get("TMA", 0))], latent,
+                                inter, up, down))
+        specs.append(table_spec(decode[("_experts_down_kernel", 0)], latent, inter, down,
+                                down))
     assert len(specs) >= 8, "the table lost its decode-layout experts entries"
     report = compile_all(specs, tmp_path, targets=(90,))
     assert not report["failures"], "\n".join(report["failures"])

@@ -103,6 +103,20 @@ def test_stores_compares_and_barriers_write_no_register(text, r):
     assert sh.written_registers(text.format(r=r)) == set()
 
 
+def decode_entries(table: dict) -> list[tuple[int, int, dict, dict]]:
+    """(L, I, up config, the down config of the same width) of every decode-layout
+    experts entry of a tuning table's "kernels" (the staged path's, whose MMAs take the
+    weights from registers)."""
+    entries = []
+    for dims, by_width in table.get(ex.KERNEL_UP, {}).items():
+        if dims.endswith("_decode"):
+            latent, inter = (int(p[1:]) for p in dims.split("_")[:2])
+            downs = table[ex.KERNEL_DOWN][dims]
+            entries += [(latent, inter, up, downs[tuning.bucket_for(int(w), downs)])
+                        for w, up in by_width.items()]
+    return entries
+
+
 def _on_hopper() -> bool:
     return (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
             and torch.cuda.get_device_capability()[0] == ex.HOPPER)
@@ -118,12 +132,8 @@ def test_experts_compiled_on_this_gpu_leave_no_mma_register_operand_in_flight():
     dev = torch.device("cuda")
     table = (tuning.load_table(tuning.gpu_name(dev)) or {}).get("kernels", {})
     entries = {}  # (L, I) -> [(up, down)]
-    for dims, by_width in table.get(ex.KERNEL_UP, {}).items():
-        if dims.endswith("_decode"):
-            latent, inter = (int(p[1:]) for p in dims.split("_")[:2])
-            downs = table[ex.KERNEL_DOWN][dims]
-            entries.setdefault((latent, inter), []).extend(
-                (up, downs[tuning.bucket_for(int(w), downs)]) for w, up in by_width.items())
+    for latent, inter, up, down in decode_entries(table):
+        entries.setdefault((latent, inter), []).append((up, down))
     base = WideMoEConfig.kimi_k3(tp=1).replace(num_experts=16, top_k=4)
     entries.setdefault((base.latent, base.expert_intermediate // 8), []).append(
         (ex.DEFAULT_UP_STAGED, ex.DEFAULT_DOWN_STAGED))
