@@ -16,7 +16,7 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("gpu", max_examples=60, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow])
-# The GPU session's check (benchmarks/h200_session.sh): every test, few examples, the
+# The GPU check (benchmarks/diagnostics/h200.sh tests): every test, few examples, the
 # same ones every run. On a GPU the cost is compiling, not running: each example that
 # draws a new shape, dtype or launch config compiles new kernels (seconds each; the
 # experts' minutes in all), so fewer examples means fewer compiles, and derandomized

@@ -1,4 +1,4 @@
-"""benchmarks/ncu_summary.py reads Nsight Compute's CSV pages as the profile mode
+"""benchmarks/diagnostics/ncu_summary.py reads Nsight Compute's CSV pages as the profile mode
 writes them: drawn stall samples in, the right shares and lines out."""
 
 import contextlib
@@ -9,7 +9,7 @@ import sys
 
 from hypothesis import given, settings, strategies as st
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "diagnostics"))
 import ncu_summary  # noqa: E402
 
 REASONS = ["stall_barrier", "stall_long_sb", "stall_math"]

@@ -1,7 +1,7 @@
 """Front GEMM and finalize launch configs at TP8 on this GPU: checked, then timed.
 
-    python benchmarks/probe_front.py [--batches 65 128 256 512 1024] [--keys 128/4 128/7]
-                                     [--skip-finalize]
+    python benchmarks/diagnostics/probe_front.py [--batches 65 128 256 512 1024]
+        [--keys 128/4 128/7] [--skip-finalize]
 
 Front (N560_H7168, x [b, 7168] @ packed[560, 7168].T, FP32 out): for each reduction key
 (BLOCK_K, SPLIT_K) a short list of layouts (tiles, SPLIT_GRID, GROUP, warps, stages)
@@ -29,7 +29,7 @@ import time
 import torch
 import triton
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 from wide_moe_triton import reference  # noqa: E402
 from wide_moe_triton.kernels import finalize as fin  # noqa: E402
@@ -54,7 +54,7 @@ def layouts(b: int) -> list[dict]:
                 lay(64, 64, 0, 1, 4, 4)]
     # 256-row batch tiles (two stages fit): x, re-read from L2 once a weight tile, is the
     # bulk of the L2 traffic at b = 1024 (14.7 MB times cdiv(560, BLOCK_N)); slower on
-    # the H200 all the same (benchmarks/NOTES.md, sixth lease).
+    # the H200 all the same (NOTES: Front split-K).
     return [lay(128, 64, 1, 1, 4, 4), lay(128, 64, 1, 2, 4, 4), lay(128, 64, 0, 1, 8, 4),
             lay(128, 128, 1, 1, 8, 3), lay(128, 128, 1, 2, 8, 3), lay(128, 128, 0, 1, 8, 3),
             lay(64, 64, 0, 1, 4, 4), lay(256, 64, 1, 1, 4, 2), lay(256, 64, 1, 2, 4, 2),

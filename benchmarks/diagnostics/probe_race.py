@@ -1,8 +1,9 @@
 """Whether the experts give the same bits on the same input however they are run: the
-probe that found the register race of the fourteenth lease (benchmarks/NOTES.md; fixed
-by ``experts._settled``). Exits 1 if any run differs.
+probe that found the MMAs' register-operand race (benchmarks/NOTES.md, "Register-operand
+wait"; fixed by ``experts._settled``). Exits 1 if any run differs.
 
-    python benchmarks/probe_race.py [--experts 896] [--batch 256 ...] [--runs 30] [--layer]
+    python benchmarks/diagnostics/probe_race.py [--experts 896] [--batch 256 ...] [--runs 30]
+        [--layer]
 
 Without ``--layer``: the experts stage alone over one routing, with the table's config
 at each width and variants of it, run eagerly, eagerly beside cuBLAS GEMMs on another
@@ -28,10 +29,10 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/
 
-from bench_layer import capture_graph  # noqa: E402  (this folder is on sys.path)
+from bench_layer import capture_graph  # noqa: E402  (benchmarks/ is on sys.path)
 from wide_moe_triton import LatentMoE, WideMoE, WideMoEConfig, mx, tuning  # noqa: E402
 from wide_moe_triton.kernels import experts as experts_k  # noqa: E402
 from wide_moe_triton.kernels import finalize as finalize_k  # noqa: E402

@@ -1,7 +1,7 @@
 """The experts kernels' inner loop as the H200 runs it, counted without a GPU.
 
-    /work/v36/bin/python benchmarks/sass_count.py [wgmma] [wgmma_decode]   (WIDE=1: the
-    decode's wide-scale variant)
+    python benchmarks/diagnostics/sass_count.py [wgmma] [wgmma_decode]
+        (a Python with Triton 3.6; WIDE=1: the decode's wide-scale variant)
         [--up JSON] [--down JSON] [--block-k-up N] [--block-k-down N]
 
 ``--up`` / ``--down``: lists of configs counted instead of the defaults (as
@@ -25,9 +25,9 @@ import re
 import subprocess
 import sys
 import tempfile
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "tests"))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)  # the repository
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 import triton
 from triton.compiler import ASTSource
 from triton.backends.compiler import GPUTarget
@@ -91,8 +91,8 @@ def compile_kernel(kind, cfg, layout="wgmma"):
 
 def serialized_wgmma(k):
     """ptxas's advice C7515 for the kernel's PTX, or None: with it ptxas waits for each
-    wgmma before the next one issues (the down launch until the eleventh lease, because
-    its accumulator was zeroed inside the MMA pipeline: benchmarks/NOTES.md). Triton's
+    wgmma before the next one issues (the down launch did, while its accumulator was
+    zeroed inside the MMA pipeline: NOTES, "Column tiles in the down launch"). Triton's
     compile does not show it; ptxas says it only when verbose."""
     from triton.backends.nvidia.compiler import get_ptxas
     ptx = k.asm["ptx"]

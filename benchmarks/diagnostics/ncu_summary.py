@@ -1,13 +1,14 @@
 """What the profile mode's Nsight Compute pages say, a few lines a kernel.
 
-    python benchmarks/ncu_summary.py OUT/wgmma_details.csv.gz OUT/wgmma_source.csv.gz
+    python benchmarks/diagnostics/ncu_summary.py OUT/wgmma_details.csv.gz \
+        OUT/wgmma_source.csv.gz
 
 For a details page (``ncu --page details --csv``): each kernel's duration, DRAM
 throughput, issue rate, idle share, occupancy and L2 hit rate. For a source page
 (``--page source --csv --print-source sass``): each kernel's warp stall reasons as
 shares of all samples, then the SASS lines that drew the most samples and the reason
 each stalled on most. A kernel profiled several times is shown once. What produced the
-table of benchmarks/NOTES.md, "fourth lease".
+profile table of benchmarks/NOTES.md, "Exact decode instead of dot_scaled on Hopper".
 """
 
 from __future__ import annotations

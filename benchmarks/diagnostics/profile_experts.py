@@ -2,7 +2,7 @@
 
     PYTHONPATH=.peers ncu --clock-control none --set full \
         -k regex:"experts_(up|down)|matmul_ogs" -o OUT/experts \
-        python benchmarks/profile_experts.py [--b 256] [--layout wgmma]
+        python benchmarks/diagnostics/profile_experts.py [--b 256] [--layout wgmma]
 
 Runs ``ex.experts`` once at the shipped table's configs for batch width b (balanced
 routing, as probe_experts.py draws it) and then, when ``triton_kernels`` is importable,
@@ -10,9 +10,9 @@ the matmul_ogs peer's two GEMMs once over the same experts, routing built before
 (benchmarks/peers.py). Each output is checked (rows against ``reference.expert_rows`` on
 the first tokens; the peer by ``peers.check_matmul_ogs``) so that a profile is never of
 a wrong kernel. Without a GPU it runs the tiny dims in Triton's interpreter (a check of
-the script). `bash benchmarks/h200_session.sh profile` runs it under ncu in both Hopper
-layouts and brings the pages back as CSV (first run in the fourth lease of 2026-12-03:
-benchmarks/NOTES.md has what it showed).
+the script). `bash benchmarks/diagnostics/h200.sh profile` runs it under ncu in both
+Hopper layouts and writes the pages as CSV (benchmarks/NOTES.md, "Exact decode instead of
+dot_scaled on Hopper", has what it showed on 2026-12-03).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # benchmarks/: peers
 
 from wide_moe_triton import WideMoEConfig, tune  # noqa: E402
 from wide_moe_triton.kernels import experts as ex  # noqa: E402

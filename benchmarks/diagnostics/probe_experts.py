@@ -1,6 +1,6 @@
 """The experts' launch configs on this GPU, up and down apart, checked then timed.
 
-    python benchmarks/probe_experts.py [--tp 8] [--batches 65 256 1024]
+    python benchmarks/diagnostics/probe_experts.py [--tp 8] [--batches 65 256 1024]
         [--layouts wgmma wgmma_decode] [--no-untiled] [--top N] [--variant FILE]
         [--up JSON] [--down JSON] [--block-k-up N] [--block-k-down N]
 
@@ -12,7 +12,7 @@ timed alone (the other one stubbed out; CUDA-graph median). The best pair is the
 together, and once more over the same weights untiled (row-major, lane order), which
 isolates what the tiled "wgmma" layout buys. ``--variant FILE``: a copy of
 ``kernels/experts.py`` with other kernel bodies (e.g. ``git show
-BRANCH:wide_moe_triton/kernels/experts.py > benchmarks/variant.py``); the best pair is
+BRANCH:wide_moe_triton/kernels/experts.py > variant.py``); the best pair is
 then checked and timed again with its kernels, each launch alone and together, in the
 same run as the shipped ones. ``--up``/``--down``: JSON lists of configs probed instead
 of a layout's lists (the first is the other launch's while one is probed), e.g.
@@ -36,7 +36,7 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 
 from wide_moe_triton import WideMoEConfig, mx, reference, tune  # noqa: E402
 from wide_moe_triton.kernels import experts as ex  # noqa: E402
@@ -62,23 +62,25 @@ REF_DOWN = dict(BLOCK_M=16, BLOCK_N=128, A_BF16=0, num_warps=4, num_stages=3, ma
 # activations only): its configs, probed over the same weights in that layout.
 # Most promising first (``--top``).
 # On Hopper the layout runs staged (experts.staged_dot), so its configs may also set
-# experts.STAGED_KEYS: the shipped defaults lead, then the fifth lease's runners-up.
+# experts.STAGED_KEYS: the shipped defaults lead, then the runners-up of NOTES, "Column
+# tiles in the down launch".
 UP_DECODE = [ex.DEFAULT_UP_STAGED, *ex.PRIORS_UP_STAGED, *(dict(c, MASK_ROWS=1) for c in
              ex.config_rows([(16, 64, 1, 4, 3, 128), (16, 64, 1, 4, 4, 96),
                              (16, 128, 1, 8, 3, 96), (32, 64, 1, 4, 3, 96)])),
-             # wide batches (b = 512-1024) with whole-sector weight copies (eighth lease)
-             # and 32-pair tiles that end in a 16-pair one (HALF_TILE; 64-pair tiles and
-             # 8-warp 32 x 128 ones were 1.5-2x slower at b = 512-1024, same lease)
-             # (the masked 32x64 r168 tile without HALF_TILE is a prior since the tenth)
+             # wide batches (b = 512-1024) with whole-sector weight copies, and 32-pair
+             # tiles that end in a 16-pair one (HALF_TILE; 64-pair tiles and 8-warp
+             # 32 x 128 ones were 1.5-2x slower at b = 512-1024: NOTES, "Half tiles")
+             # (the masked 32x64 r168 tile without HALF_TILE is a prior: NOTES, "SiTU
+             # without division")
              *(dict(c, MASK_ROWS=m, HALF_TILE=h) for c, m, h in zip(ex.config_rows(
                  [(32, 64, 1, 4, 4, 168), (32, 64, 1, 4, 3, 168), (32, 64, 1, 4, 3, 168)]),
                  (0, 0, 1), (0, 1, 1))),
-             # the table's tiles, weights by TMA (eleventh lease: 4% slower at b = 1024)
+             # the table's tiles, weights by TMA (4% slower at b = 1024: NOTES, "TMA weight loads")
              *(dict(c, MASK_ROWS=1, TMA=1) for c in ex.config_rows(
                  [(32, 64, 1, 4, 3, 168), (16, 64, 1, 4, 3, 96), (16, 128, 1, 4, 3, 0),
                   (32, 64, 1, 4, 3, 128)]))]
 # (Four programs a SM at maxnreg 120 or 112, no spill in the loop, were 4% slower at
-# b = 1024 than the 168 of three: benchmarks/NOTES.md, ninth lease.)
+# b = 1024 than the 168 of three: NOTES, "What limits the experts at b = 1024".)
 DOWN_DECODE = [ex.DEFAULT_DOWN_STAGED, *ex.PRIORS_DOWN_STAGED, *(
     dict(c, MASK_ROWS=1, COLS=k) for c, k in zip(ex.config_rows(
         [(16, 128, 1, 4, 4, 128), (16, 128, 1, 4, 3, 96), (16, 64, 1, 4, 3, 96),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H200 lease in device-tool calls (each <= 9.5 min), one mode a call; the usual order:
+# Runs on an H200, one mode a call (each within 9.5 minutes); the usual order:
 #   probe  (when the experts kernels changed) probe_experts.py's configs, then the
 #          experts' GPU tests; VARIANT=FILE (a copy of kernels/experts.py, e.g. from a
 #          branch) also times the best pairs with that file's kernels
@@ -18,15 +18,14 @@
 #          benchmarks/results/H200-tuning.md before `bench`
 #   bench  bench_layer over tp8, tp1 (whole layer, its batch-invariance line at E = 896),
 #          tp16 (results written after each shape, so a timeout keeps what finished)
-# Every step runs under `timeout`, bounded by what is left of the call's budget
+# Every step runs under `timeout`, bounded by what is left of the call's time
 # (BUDGET seconds, default 560), its log under $OUT; a summary is printed last.
-# Carry .peers/ (benchmarks/NOTES.md, "Peers tried"). Compiled kernels go to
-# .triton-cache/ (ignored): a later call on the still-warm machine reuses them. Fire each
-# call as soon as the last returns: an idle machine goes back after 30 s.
+# The peers need .peers/ (benchmarks/NOTES.md, "Peers"). Compiled kernels go to .triton-cache/
+# (ignored): a later call on the same machine reuses them.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
-cd "$(dirname "$0")/.."
-: "${OUT:?set OUT to the folder that comes back}"
+cd "$(dirname "$0")/../.."
+: "${OUT:?set OUT to the folder for the logs and results}"
 export TRITON_CACHE_DIR="$PWD/.triton-cache"
 BUDGET=${BUDGET:-560}
 SUMMARY="$OUT/summary.txt"
@@ -63,7 +62,7 @@ case "${1:-}" in
     ;;
   probe)
     # the experts' configs in both Hopper layouts (probe_experts.py), then their GPU tests
-    step probe 300 60 python benchmarks/probe_experts.py --tp 8 --batches 65 256 1024 \
+    step probe 300 60 python benchmarks/diagnostics/probe_experts.py --tp 8 --batches 65 256 1024 \
       --layouts wgmma wgmma_decode --top 4 --no-untiled ${VARIANT:+--variant "$VARIANT"}
     show probe "^\|" 8
     step tests_experts 150 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -q -rf \
@@ -72,11 +71,11 @@ case "${1:-}" in
     ;;
   profile)
     # Nsight Compute over one experts call (both layouts) and the matmul_ogs peer's GEMMs
-    # (benchmarks/profile_experts.py); the details and per-SASS-line source pages as CSV
+    # (benchmarks/diagnostics/profile_experts.py); the details and per-SASS-line source pages as CSV
     for layout in wgmma wgmma_decode; do
       kernels="experts_(up|down)"; [[ $layout == wgmma ]] && kernels="$kernels|matmul_ogs"
       step "ncu_$layout" 200 60 env PYTHONPATH=.peers ncu --clock-control none --set full \
-        -k "regex:$kernels" -o "$OUT/$layout" python benchmarks/profile_experts.py --b 256 \
+        -k "regex:$kernels" -o "$OUT/$layout" python benchmarks/diagnostics/profile_experts.py --b 256 \
         --layout "$layout"
       show "ncu_$layout" "rel err|matmul_ogs|Error|ERROR" 5
       if [[ -f "$OUT/$layout.ncu-rep" ]]; then
@@ -85,7 +84,7 @@ case "${1:-}" in
           > "$OUT/${layout}_source.csv"
         gzip -f "$OUT/${layout}_details.csv" "$OUT/${layout}_source.csv"
         rm -f "$OUT/$layout.ncu-rep"
-        python benchmarks/ncu_summary.py "$OUT/${layout}_details.csv.gz" \
+        python benchmarks/diagnostics/ncu_summary.py "$OUT/${layout}_details.csv.gz" \
           "$OUT/${layout}_source.csv.gz" > "$OUT/${layout}_summary.txt" 2>&1
         head -40 "$OUT/${layout}_summary.txt" | sed "s/^/  $layout| /" >> "$SUMMARY"
       fi
@@ -97,7 +96,8 @@ case "${1:-}" in
       benchmarks/test_peers.py
     show peers "passed|failed|error" 2
     # at E = 896 with the tuned configs (their graph != eager at b = 65-256 showed only
-    # there, fourteenth lease); on a difference it names the first stage that differs
+    # there: NOTES, Register-operand wait); on a difference it names the first stage
+    # that differs
     step reliability 240 60 python benchmarks/reliability.py --experts 896 --invariance \
       --claim-order --batch 65 256 1024 --replays 2000 --check-every 100
     show reliability "invariance|claim order|replays|differ|DIFFER|reliability:|Error"
@@ -127,7 +127,7 @@ print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     show bench "^# .* done in|batch invariance|^!!|not run|Traceback" 30
     [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
     ;;
-  *) echo "usage: OUT=DIR $0 probe|profile|tests|check|tune|bench" >&2; exit 2 ;;
+  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|bench" >&2; exit 2 ;;
 esac
 echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
 cat "$SUMMARY"

@@ -1,6 +1,6 @@
 """What the dependent launch of finalize (``kernels/pdl.py``) saves on this GPU.
 
-    python benchmarks/probe_pdl.py [--batches 65 128 1024]
+    python benchmarks/diagnostics/probe_pdl.py [--batches 65 128 1024]
 
 For each batch width, finalize at TP8 dims (L 3584, K 16, its tuned config) launched
 plainly and as a dependent, each timed three ways (CUDA-graph medians, µs): alone (a
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # the repository
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from probe_front import bench, copy_bandwidth  # noqa: E402
