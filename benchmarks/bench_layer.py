@@ -1,5 +1,5 @@
 """Check, then time, every stage of WideMoE and the whole layer against its peers and the
-bandwidth floor, in one run on one GPU (DESIGN.md, benchmarks/NOTES.md).
+bandwidth floor, in one run on one GPU (docs/design.md, benchmarks/NOTES.md).
 
     python benchmarks/bench_layer.py [--batches 65 128 256 512 1024] [--shapes tp8 tp16 tp1]
                                      [--out DIR] [--no-peers] [--experts-only]

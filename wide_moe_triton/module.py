@@ -1,6 +1,6 @@
 """``WideMoE``: the drop-in replacement of ``LatentMoE``, wiring the Triton stages.
 
-One call (DESIGN.md), per rank r of T:
+One call (docs/design.md), per rank r of T:
 
     side stream   shared = shared_expert_r(x)                       (BF16 partial [b, H],
                                                                      kernels/shared)

@@ -1,6 +1,6 @@
 """``LatentMoE``: the stock path, in plain PyTorch, read as the definition of the layer.
 
-Every rounding point the Triton path has is here too (DESIGN.md): BF16 linears with
+Every rounding point the Triton path has is here too (docs/design.md): BF16 linears with
 FP32 accumulation, FP32 router logits, the latent rounded once to BF16, MXFP8
 activations and hidden, MXFP4 experts, a one-rounding FP32 finalize, an FP32 RMSNorm.
 Only accumulation orders may differ between this module and ``WideMoE``.

@@ -1,7 +1,7 @@
 """The Lamport mailbox: publish (every rank writes its shards into every rank's buffer)
 and the poll/re-arm helpers that the route and plan kernels read it with.
 
-Layout (DESIGN.md): each rank owns one buffer of BF16 columns, ``[2 parities, wide_rows,
+Layout (docs/design.md): each rank owns one buffer of BF16 columns, ``[2 parities, wide_rows,
 L + 2E]`` (stored as int16 bits). Row t of parity p is ``[latent BF16, columns 0..L-1 |
 logits as FP32 words, columns L..L+2E-1]``; rank r's latent shard starts at column
 ``(L/T)*r`` and its logits at column ``L + 2*(E/T)*r`` (FP32 word ``L/2 + (E/T)*r`` of the
