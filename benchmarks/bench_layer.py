@@ -175,7 +175,7 @@ def power_state() -> str:
     without NVML). Read right after a timing, it says whether that timing ran at the
     board's power limit, where the SM clock drops and a timing moves with the GPU's
     recent draw: at TP8, b = 1024 the experts call spread over 785-857 µs within a
-    minute there (benchmarks/NOTES.md, twelfth lease)."""
+    minute there (benchmarks/NOTES.md, "Machine and floors")."""
     if DRY:
         return ""
     try:  # informative only, as the header's clocks: any failure leaves the column empty

@@ -88,8 +88,8 @@ def triton_kernels() -> _TritonKernels:
     except ImportError as err:
         raise PeerUnavailable(
             f"triton_kernels not importable ({err}); put vllm 0.33.0's "
-            "vllm/third_party/triton_kernels on PYTHONPATH (benchmarks/NOTES.md, Peers "
-            "tried)") from err
+            "vllm/third_party/triton_kernels on PYTHONPATH (benchmarks/NOTES.md, "
+            "Peers)") from err
     if hasattr(mods["tensor"], "SparseMatrix") or not hasattr(mods["routing"],
                                                                "routing_from_bitmatrix"):
         raise PeerUnavailable(

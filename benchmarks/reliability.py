@@ -12,8 +12,9 @@ The checks asked for run in this order, in one process, over one WideMoE built f
 stock layer at Kimi-K3's dims (H 7168, L 3584, I 3072, S 6144, K 16) with ``--experts``
 experts (128 by default: a replay then takes milliseconds and the build seconds). The
 experts' configs are tuned per E, so only 896, the production layer, runs the table's
-(E = 128 runs the defaults; the register race of the fourteenth lease showed at 896
-only, benchmarks/NOTES.md): ``h200_session.sh check`` runs 896.
+(E = 128 runs the defaults; the MMAs' register race showed at 896 only:
+benchmarks/NOTES.md, "Register-operand wait"): ``benchmarks/diagnostics/h200.sh check``
+runs 896.
 
 - ``--invariance``: row 7's output has the same bits alone, inside 65 rows and inside
   ``wide_rows`` (1024) rows, for the whole layer first; only if that differs (or with

@@ -4,8 +4,8 @@ found in a compiled kernel's SASS.
 ``wgmma.mma_async`` (SASS ``HGMMA``) may take its A operand from registers and read them
 after it issues; writing those registers before a ``wgmma.wait_group`` that covers the
 MMA is undefined in the PTX ISA (section "wgmma.wait_group"), and on the H200 the MMA
-then multiplies some of the new values: results that depend on timing (seen on the
-H200, benchmarks/NOTES.md, fourteenth lease). Triton 3.6's software pipeliner can emit
+then multiplies some of the new values: results that depend on timing (seen on the H200:
+benchmarks/NOTES.md, "Register-operand wait"). Triton 3.6's software pipeliner can emit
 such code for a loop whose MMAs take the A operand from registers: it waits for all but
 the last group of the step, and the next step's instructions overwrite the registers of
 the groups still in flight (reported as triton-lang/triton#9433).

@@ -253,7 +253,8 @@ def test_h200_table_experts_leave_no_mma_register_operand_in_flight(recorded, tm
     """Every experts config of the shipped H200 table (decode layout: the Hopper path whose
     MMAs take the weights from registers), at its production dims, compiled for sm_90:
     no instruction writes the A registers of an MMA still in flight (sass_hazards.py;
-    Triton 3.6 left such writes in the up and down loops until the fourteenth lease)."""
+    without ``experts._settled`` Triton 3.6 leaves such writes in the up and down loops:
+    NOTES, "Register-operand wait")."""
     ids, plan = make_ids("random", 9, 0), make_plan(9, 0)
     for keys, inter in (({}, 32), (dict(TMA=1), 2 * ex.ROW_BLOCK)):  # TMA: I of whole tiles
         launch_experts(ids, *plan, "wgmma_decode", stock_weights(inter), (1, 1), False, keys)

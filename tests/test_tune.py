@@ -90,7 +90,7 @@ def test_candidates_lay_partial_priors_over_the_base(b, setting, split, quick):
 def test_staged_experts_priors_are_all_tried(kind, quick):
     """Every prior of the staged experts launches is a candidate, those that set a key
     the default leaves unset (HALF_TILE) included: a sweep that dropped them silently
-    never timed the TP8 down launch's best at b = 1024 (eleventh lease)."""
+    never times the TP8 down launch's best at b = 1024 (NOTES: Tuning method)."""
     from wide_moe_triton.kernels import experts as ex
 
     t = ex._tuning("wgmma_decode", staged=True)
@@ -423,9 +423,9 @@ def test_sweep_of_some_kernels_folds_into_the_table(monkeypatch, tmp_path):
 @pytest.mark.parametrize("swept", [(64,), (256, 1024), (1024,)])
 def test_a_sweep_of_some_buckets_keeps_the_others(monkeypatch, tmp_path, swept):
     """``--kernels`` with ``--batches`` of some buckets: a kernel without reduction keys
-    keeps the table's other buckets (the TP16 experts' b = 64 entry was dropped by a
-    re-sweep of 256-1024, ninth lease); a front-GEMM shape is replaced whole, since the
-    kept buckets may hold another reduction setting than the swept ones."""
+    keeps the table's other buckets (otherwise a re-sweep of 256-1024 drops the TP16
+    experts' b = 64 entry: NOTES, "Tuning method"); a front-GEMM shape is replaced
+    whole, since the kept buckets may hold another reduction setting than the swept ones."""
     out = sweep(monkeypatch, tmp_path, Model(8, 0.0))
     first = json.loads(out.read_text())
     shape = front.shape_key(560, 7168)
@@ -467,7 +467,7 @@ class FastWithY(Model):
 
 def test_a_tuned_key_the_default_lacks_is_reported_unset(monkeypatch, tmp_path):
     """The report names the default's value of each key the tuned config changed; a key
-    the default lacks is "unset" (the sweep stopped at a KeyError there, ninth lease)."""
+    the default lacks is "unset" (not a KeyError: NOTES, "Tuning method")."""
     monkeypatch.setattr(tune, "_time_again", lambda: False)
     out = sweep(monkeypatch, tmp_path, FastWithY(10, 0.0), "--kernels", "plain", fake=Unset)
     table = json.loads(out.read_text())

@@ -47,7 +47,7 @@ BUCKETS = (1, 16, 64, 128, 256, 512, 1024)
 # A batch runs the config of the narrowest bucket at least as wide (tuning.bucket_for), so
 # without 512 a batch of 257-1024 runs the b = 1024 config: on the H200 that gave b = 512's
 # experts 32-row tiles for about 9 tokens an expert, the likely cause of their 35% step
-# over b = 256 (NOTES, second lease of 2026-12-03).
+# over b = 256 (NOTES: Tuning method).
 QUICK_BUCKETS = (64, 256, 512, 1024)
 REP_MS, QUICK_REP_MS = 20, 10  # CUDA-graph replay time of one measurement
 QUICK_KERNEL_BUDGET = 60  # s of timing a kernel's candidates may take under --quick
@@ -56,7 +56,7 @@ QUICK_KERNEL_BUDGET = 60  # s of timing a kernel's candidates may take under --q
 # least median chosen. The sweep times each candidate once, minutes apart from some
 # others; at a power cap the GPU's clock drifts over that time by more than configs
 # differ (the H200's experts at b = 1024: one call spread 779-857 µs within a minute,
-# benchmarks/NOTES.md, twelfth lease), so single timings rank close configs by when
+# NOTES: Machine and floors), so single timings rank close configs by when
 # they ran.
 FINALISTS, ROUNDS = 3, 3
 
@@ -201,7 +201,7 @@ def cases(cfg: WideMoEConfig, b: int, gen: torch.Generator, weights: dict):
     def alone(kind, run):
         # Checked as a whole call, timed as the one launch swept: the other one, at its
         # default, would add 300-800 µs of its own (and their noise) to every candidate
-        # at b = 1024 (benchmarks/NOTES.md, eighth lease).
+        # at b = 1024 (NOTES: Tuning method).
         def timed(c):
             with ek.only_launch(kind):
                 return run(c)

@@ -4,7 +4,7 @@
         [--layouts wgmma wgmma_decode] [--no-untiled] [--top N] [--variant FILE]
         [--up JSON] [--down JSON] [--block-k-up N] [--block-k-down N]
 
-What produced the "experts v1" table of benchmarks/NOTES.md. At rank-local Kimi-K3 dims
+What produced the experts tables of benchmarks/NOTES.md ("Weight layout" on). At rank-local Kimi-K3 dims
 (experts drawn like ``LatentMoE``'s, a balanced routing) and each batch width, every
 config of ``UP`` (then ``DOWN``) runs with the other launch at its reference config; it
 is checked against ``reference.expert_rows`` on the first 16 tokens, then the launch is

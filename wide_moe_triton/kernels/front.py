@@ -87,7 +87,7 @@ SPACE = [
     for m in (16, 32, 64, 128) for n in (64, 128) for k in (64, 128)
     for s in (1, 2, 4, 7, 8, 14, 28) for g in (0, 1) for grp in (1, 2, 4)
     # 2 stages of 128 x 64 tiles leave room for two programs a SM: the best at b >= 512
-    # on the H200 (benchmarks/NOTES.md, sixth lease)
+    # on the H200 (NOTES: Front split-K)
     for w in (4, 8) for st in (2, 3, 4, 5)
     if (g == 0 or s > grp) and (g == 1 or grp == 1)
     and _tiles_held(s, grp if g else 1 << 30) <= 1 + _MAX_LEVELS

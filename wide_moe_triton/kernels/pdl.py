@@ -7,7 +7,7 @@ of it in the stream has finished, as soon as every program of that one has calle
 before its first load, which returns once the kernel ahead has completed and its writes
 are visible. So the dependent's launch latency (0.7-0.9 µs on the H200) runs under the
 last wave of the kernel ahead instead of after it: at b = 65 that is a third of
-finalize's time (benchmarks/NOTES.md, seventh lease). Only the order of events at the
+finalize's time (NOTES: Dependent launch). Only the order of events at the
 boundary changes, never what a kernel reads: results are bitwise the same.
 
 A kernel calls ``allow_dependent_launch`` as its programs start: all of its programs

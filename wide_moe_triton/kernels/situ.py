@@ -2,12 +2,12 @@
 one definition, so both stages evaluate the activation with the same operations.
 
 It runs once for every hidden element of a tile, padding rows included, so its cost is
-the up kernel's epilogue: at TP8, b = 1024, the IEEE divisions it used to make (five an
-element, each a reciprocal, its Newton steps and a range check with a slow-path branch)
-were a fifth of the up launch's instructions (Nsight Compute, benchmarks/NOTES.md, tenth
-lease). Hence no IEEE division an element: the divisions by beta and linear_beta are
-products with their correctly rounded reciprocals (exact when the parameter is a power of
-two, as Kimi-K3's beta = 4 is; else within an ulp), and on the GPU exp and the
+the up kernel's epilogue: at TP8, b = 1024, IEEE divisions (five an element, each a
+reciprocal, its Newton steps and a range check with a slow-path branch) would be a fifth
+of the up launch's instructions (Nsight Compute; NOTES: SiTU without division). Hence no
+IEEE division an element: the divisions by beta and linear_beta are products with their
+correctly rounded reciprocals (exact when the parameter is a power of two, as Kimi-K3's
+beta = 4 is; else within an ulp), and on the GPU exp and the
 reciprocals of tanh's and the sigmoid's quotients are the hardware's approximations
 with subnormals flushed (``ex2.approx.ftz``, ``rcp.approx.ftz``: one instruction each,
 where ``tl.exp`` and ``/`` add range fix-ups; what they flush is below 2**-126 and
