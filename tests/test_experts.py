@@ -24,6 +24,7 @@ from conftest import DEVICE, QUICK, forbid_launches, poison
 from wide_moe_triton import mx, reference
 from wide_moe_triton.config import WideMoEConfig
 from wide_moe_triton.kernels import experts as ex
+from wide_moe_triton.kernels.experts import layout as ex_layout
 
 CFG = WideMoEConfig.tiny()
 L, E, K, WIDE_ROWS = CFG.latent, CFG.num_experts, CFG.top_k, CFG.wide_rows
@@ -543,7 +544,7 @@ def test_words_are_encoded_alike_in_any_pieces(block_k, rows, piece, seed):
     codes = torch.randint(0, 256, (rows, 3, block_k), generator=gen, dtype=torch.uint8)
     whole = ex._encode_rows(codes, block_k)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ex, "_WORD_ROWS", piece)
+        patch.setattr(ex_layout, "_WORD_ROWS", piece)
         assert torch.equal(ex.encode_words(codes, block_k), whole)
         assert torch.equal(ex.decode_words(whole, block_k), codes)
 

@@ -1,5 +1,6 @@
 """One stage a file: each holds its ``@triton.jit`` body, its launch wrapper and its
-tuning key (``KERNEL``, ``DEFAULT``, ``SPACE``, ``shape_key``). ``bits.py`` holds the
+tuning key (``KERNEL``, ``DEFAULT``, ``SPACE``, ``shape_key``); the routed experts, the
+largest stage, are a package of one concern a module (``experts/``). ``bits.py`` holds the
 FP32/BF16 bit conversions that several stages share, ``situ.py`` the activation that the
 routed and the shared experts share, ``pdl.py`` the programmatic dependent launch from
 the experts' down kernel to finalize. The front GEMM (``front.py``) also carries every
