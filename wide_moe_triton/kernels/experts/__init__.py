@@ -17,7 +17,8 @@ Each program streams its weight slice once per tile of BLOCK_M pairs, so an expe
 at most BLOCK_M pairs streams its weights once per call; an expert no pair chose costs
 one load of its count.
 
-How the weights stream (Hopper; benchmarks/NOTES.md has the measurements):
+How the weights stream on Hopper ("NOTES: <heading>", here and in the modules, names the
+section of benchmarks/NOTES.md that gives the measurement, its date and its command):
 
 - Swap-AB: the weights are the MMA's left operand, so that a weight tile fills the
   tensor cores' 64-row side and the handful of tokens an expert gets their narrow side
@@ -26,7 +27,7 @@ How the weights stream (Hopper; benchmarks/NOTES.md has the measurements):
   wgmma's register operand. The tiled layouts (``ExpertWeights``) order each row's
   bytes the way that operand's threads take them and store each (64 rows x one
   reduction step) tile contiguously, so tiles arrive as wide, contiguous, asynchronous
-  copies.
+  copies (NOTES: Weight layout).
 - "wgmma_decode", the Hopper default, also permutes the bits of each 4-byte word so
   that our own decode is a few shifts and masks (``_bf16_pairs``), about a third fewer
   instructions than Triton's E2M1 table lookup, and on Hopper multiplies the exact BF16
@@ -35,11 +36,12 @@ How the weights stream (Hopper; benchmarks/NOTES.md has the measurements):
   MMA from shared memory with no store through registers, no fence and one barrier
   less a step (``_reduce_staged``, ``_bf16_weights_dot``). "wgmma" feeds the E2M1
   codes to ``tl.dot_scaled``, whose activation operand the pipeliner does not stage
-  (``_reduce_prefetched``).
-- ``maxnreg`` (a register cap, per config) buys resident warps to hide latency.
+  (``_reduce_prefetched``). NOTES: Exact decode instead of dot_scaled on Hopper.
+- ``maxnreg`` (a register cap, per config) buys resident warps to hide latency (NOTES:
+  Weight layout).
 - The staged path's MMAs take the decoded weights from registers: each step waits for
   its MMAs before the next step decodes into those registers (``_settled``), which
-  Triton 3.6 does not ensure by itself.
+  Triton 3.6 does not ensure by itself (NOTES: Register-operand wait).
 
 Reproducibility: an output row of an MMA depends only on its own input row and on the
 order of the reduction, which is fixed by BLOCK_K (chosen per shape, at

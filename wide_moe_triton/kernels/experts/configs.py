@@ -11,14 +11,15 @@ from .layout import ROW_BLOCK, staged_dot
 
 KERNEL_UP = "experts_up"
 KERNEL_DOWN = "experts_down"
-# Defaults: the best measured on the H200 at TP8, b = 65..256 (benchmarks/NOTES.md).
+# Defaults ("wgmma" and "nk" weights): the fastest measured on the H200 at TP8,
+# b = 65..256 (NOTES: Weight layout).
 DEFAULT_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
               "maxnreg": 128}
 DEFAULT_DOWN = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 0, "num_warps": 4, "num_stages": 3,
                 "maxnreg": 0}
 # With the "wgmma_decode" layout (BF16 activations only) where the dot_scaled path runs
-# it (off Hopper): the best of the H200 probe at TP8, b = 65 and 256 before the staged
-# path (benchmarks/NOTES.md, fourth lease; not measured off Hopper).
+# it (off Hopper): the fastest the H200 measured at TP8, b = 65 and 256, on that path
+# (NOTES: Exact decode instead of dot_scaled on Hopper; not measured off Hopper).
 DEFAULT_UP_DECODE = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 1, "num_warps": 4,
                      "num_stages": 3, "maxnreg": 128}
 DEFAULT_DOWN_DECODE = {"BLOCK_M": 16, "BLOCK_N": 256, "A_BF16": 1, "num_warps": 8,
@@ -36,11 +37,14 @@ DEFAULT_DOWN_DECODE = {"BLOCK_M": 16, "BLOCK_N": 256, "A_BF16": 1, "num_warps": 
 #   memory accelerator (``_tma_weights``, ``_weight_descriptors``) instead of four
 #   16-byte copies and their 64-bit addresses a thread a step. At b = 1024 those copies
 #   drew a quarter of the loop's stall samples, each waiting to reuse the one register
-#   pair its address is built in (benchmarks/NOTES.md, tenth lease). Not yet timed.
+#   pair its address is built in. Timed, it is 4% slower for the 32-pair tiles of
+#   b = 1024 and within 4% either way for 16-pair ones, so it stays an opt-in key, in
+#   no prior (NOTES: TMA weight loads).
 STAGED_KEYS = {"MASK_ROWS": 0, "COLS": 1, "HALF_TILE": 0, "TMA": 0}
-# The staged path's defaults: the best of the H200 probe at TP8, b = 65 and 256
-# (benchmarks/NOTES.md, fifth lease): 358 + 174 µs at b = 65, 522 + 252 at 256, against
-# 409 + 247 and 542 + 377 for the fourth lease's (above, without the keys).
+# The staged path's defaults: the fastest the H200 measured at TP8, b = 65 and 256:
+# up + down 358 + 174 µs at b = 65, 522 + 252 at 256, against 409 + 247 and 542 + 377
+# for DEFAULT_UP_DECODE / DEFAULT_DOWN_DECODE on the same path (NOTES: Column tiles in
+# the down launch).
 DEFAULT_UP_STAGED = {"BLOCK_M": 16, "BLOCK_N": 64, "A_BF16": 1, "num_warps": 4,
                      "num_stages": 3, "maxnreg": 96, "MASK_ROWS": 1}
 DEFAULT_DOWN_STAGED = {"BLOCK_M": 16, "BLOCK_N": 128, "A_BF16": 1, "num_warps": 4,
@@ -81,25 +85,27 @@ def config_rows(rows) -> list[dict]:
     return [dict(zip(CONFIG_KEYS, row)) for row in rows]
 
 
-# The "wgmma_decode" layout's priors: the probe's best at b = 1024 (32-row tiles) and
-# its runners-up at b = 65-256 (benchmarks/NOTES.md, fourth lease).
+# The "wgmma_decode" layout's priors: the fastest measured at b = 1024 (32-row tiles)
+# and the runners-up at b = 65-256 (NOTES: Exact decode instead of dot_scaled on Hopper).
 PRIORS_UP_DECODE = config_rows([(32, 128, 1, 8, 4, 128), (16, 128, 1, 8, 3, 128),
                                 (16, 64, 1, 4, 4, 128)])
 PRIORS_DOWN_DECODE = config_rows([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 128),
                                   (16, 128, 1, 4, 4, 128)])
-# The staged path's: the probe's best at b = 1024 (32-row tiles; the eighth lease's,
-# the down one ending in a half tile; the up one with masked rows too, which won there
-# once SiTU stopped dividing: 528 against 551 µs, tenth lease) and the fifth lease's
-# runners-up at b = 65-256. Then twice the rows on one warpgroup (up 128 hidden
-# columns, down 256 latent ones), whose loops issue 5-14% fewer instructions a weight
-# element (AOT, ninth lease): timed in the tenth lease, 16x128 uncapped is the tuner's
-# pick at b = 64-256 (4% faster than 16x64), while at b = 1024 all are 6-48% slower.
+# The staged path's: the fastest measured at b = 1024 (32-row tiles: the down one ending
+# in a half tile, NOTES: Half tiles; the up one with masked rows too, which wins there
+# with SiTU computed without division: 528 against 551 µs, NOTES: SiTU without
+# division) and the runners-up at b = 65-256 (NOTES: Column tiles in the down launch).
+# Then twice the rows on one warpgroup (up 128 hidden columns, down 256 latent ones),
+# whose loops issue 5-14% fewer instructions a weight element: 16x128 uncapped is the
+# tuner's pick at b = 64-256 (4% faster than 16x64), while at b = 1024 all are 6-48%
+# slower (NOTES: Tuning method).
 PRIORS_UP_STAGED = [dict(c, MASK_ROWS=m) for c, m in zip(config_rows(
     [(32, 64, 1, 4, 3, 168), (32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128),
      (16, 64, 1, 4, 3, 128), (32, 128, 1, 4, 3, 168), (16, 128, 1, 4, 3, 168),
      (32, 128, 1, 4, 3, 0), (16, 128, 1, 4, 3, 0)]), (1, 0, 0, 1, 0, 1, 0, 1))]
-# The down launch's first prior, the 32x128 half-tile one at maxnreg 168, is the probe's
-# best at b = 1024 since its wgmma stopped waiting each out (_down_columns; eleventh lease).
+# The down launch's first prior, the 32x128 half-tile one at maxnreg 168, is the fastest
+# measured at b = 1024 with the accumulator zeroed where ptxas need not wait out each
+# wgmma (``_down_columns``; NOTES: Column tiles in the down launch).
 PRIORS_DOWN_STAGED = [dict(c, MASK_ROWS=m, COLS=k, HALF_TILE=h) for c, m, k, h in zip(
     config_rows([(32, 128, 1, 4, 3, 168), (32, 128, 1, 4, 3, 128), (32, 256, 1, 8, 3, 128),
                  (16, 256, 1, 8, 3, 128), (32, 256, 1, 4, 3, 168), (16, 256, 1, 4, 3, 168),

@@ -155,7 +155,7 @@ def _decoded_weights(w_ptr, s_ptr, rows, k0, K: tl.constexpr, BLOCK_N: tl.conste
     # cover whole 32-byte sectors (8 rows x 64 bytes). Loaded as [rows, words, lanes],
     # Triton gave each thread one row's four 16-byte vectors, so each copy instruction
     # read half of every sector it touched and the weights crossed from L2 twice (Nsight
-    # Compute, benchmarks/NOTES.md, seventh lease).
+    # Compute; NOTES: Sector-wide copies).
     w = tl.load(w_ptr + chunk[:, None] + tl.arange(0, BLOCK_K // 8)[None, :])
     scales = _weight_scales(s_ptr, rows, k0, K, BLOCK_K, ROW_BLOCK)
     return _decoded_tile(w, scales, BLOCK_N, BLOCK_K, WIDE_SCALES, INTERPRET)
@@ -320,8 +320,8 @@ def _bf16_weights_dot(acc, w, a, STAGED: tl.constexpr, INTERPRET: tl.constexpr):
     3.6's pipeliner stages a ``tl.dot`` operand in shared memory asynchronously but not
     a ``dot_scaled`` one (even with formats "bf16"): that cost each step a store of the
     activations through registers, a fence and a barrier, 1.36x and 1.39x the time at
-    TP8, b = 65 and 256 (the probe's figures of the third and the fourth lease,
-    benchmarks/NOTES.md). Else ``tl.dot_scaled``.
+    TP8, b = 65 and 256 (NOTES: Exact decode instead of dot_scaled on Hopper). Else
+    ``tl.dot_scaled``.
 
     Triton's interpreter computes BF16 products as if FP16 (values past 65504 become
     Inf, subnormals 0), so there the same exact values go to an FP32 dot, which it sums
@@ -401,10 +401,10 @@ def _settled(acc, INTERPRET: tl.constexpr):
     itself, Triton 3.6's pipeliner waits for all but the last MMA group of a step, and
     the next step's decode overwrites the registers of the groups still in flight
     (triton-lang/triton#9433): rows then depend on timing (on the H200, when another
-    kernel's programs share the SMs: benchmarks/NOTES.md, fourteenth lease). A read of
+    kernel's programs share the SMs: NOTES: Register-operand wait). A read of
     acc by an instruction that is not an MMA (a register move) makes the compiler
     complete them before anything overwrites their registers (Triton 3.6 then waits for
-    each group as it issues, which the H200 ran faster, not slower: NOTES);
+    each group as it issues, which the H200 ran faster, not slower: same section);
     the SASS of every tuned config is checked for such writes (tests/sass_hazards.py:
     test_compile.py without a GPU, test_sass_hazards.py on a Hopper GPU)."""
     if not INTERPRET:
@@ -511,8 +511,8 @@ def _full_tiles(count, BLOCK_M: tl.constexpr, HALF_TILE: tl.constexpr):
 
     The MMA's narrow side is the tile's pairs, padding included: a 32-pair tile costs
     1.2-1.5x a 16-pair one on the same weights, and at b = 1024 (TP8) a third of the
-    lists hold at most 16 of their 18 pairs on average (benchmarks/NOTES.md, eighth
-    lease: the down launch 4.5% faster there, the up launch unchanged). A row's sum runs
+    lists hold at most 16 of their 18 pairs on average (the down launch 4.5% faster
+    there, the up launch unchanged; NOTES: Half tiles). A row's sum runs
     over the same steps in the same order in either tile."""
     full = count
     if HALF_TILE:
@@ -636,7 +636,7 @@ def _down_columns(hv_ptr, pair, m_ok, w_e, ws_e, rows_ptr, j0, LATENT: tl.conste
         # Zeroed before a column tile's first product, not after its store: reset there,
         # the accumulator is written by other instructions inside the loop's wgmma
         # pipeline, and Triton 3.6's ptxas then waits out every wgmma (its advice C7515),
-        # 4-6% of the launch's time (benchmarks/NOTES.md, eleventh lease).
+        # 4-6% of the launch's time (NOTES: Column tiles in the down launch).
         if k0 == 0:
             acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
         acc = _bf16_weights_dot(acc, w, tl.trans(a), True, INTERPRET)
