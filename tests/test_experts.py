@@ -1,4 +1,4 @@
-"""The routed experts (kernels/experts.py) against ``reference.expert_rows``.
+"""The routed experts (kernels/experts/) against ``reference.expert_rows``.
 
 Every launch goes through ``launch``, which poisons the outputs and checks that nothing
 outside the b*K rows was written; the checks then hold the hidden MXFP8 bits to the

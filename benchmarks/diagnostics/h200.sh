@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on an H200, one mode a call (each within 9.5 minutes); the usual order:
 #   probe  (when the experts kernels changed) probe_experts.py's configs, then the
-#          experts' GPU tests; VARIANT=FILE (a copy of kernels/experts.py, e.g. from a
+#          experts' GPU tests; VARIANT=FILE (a copy of kernels/experts/tiles.py, e.g. from a
 #          branch) also times the best pairs with that file's kernels
 #   profile  (to find what limits the experts) Nsight Compute over one experts call in
 #          each weight layout and over the matmul_ogs peer's GEMMs, as CSV

@@ -11,8 +11,8 @@ is checked against ``reference.expert_rows`` on the first 16 tokens, then the la
 timed alone (the other one stubbed out; CUDA-graph median). The best pair is then timed
 together, and once more over the same weights untiled (row-major, lane order), which
 isolates what the tiled "wgmma" layout buys. ``--variant FILE``: a copy of
-``kernels/experts.py`` with other kernel bodies (e.g. ``git show
-BRANCH:wide_moe_triton/kernels/experts.py > variant.py``); the best pair is
+``kernels/experts/tiles.py`` with other kernel bodies (e.g. ``git show
+BRANCH:wide_moe_triton/kernels/experts/tiles.py > variant.py``); the best pair is
 then checked and timed again with its kernels, each launch alone and together, in the
 same run as the shipped ones. ``--up``/``--down``: JSON lists of configs probed instead
 of a layout's lists (the first is the other launch's while one is probed), e.g.
@@ -120,9 +120,9 @@ def launching(up, down):
 
 
 def load_variant(path: str):
-    """The module at ``path`` (a copy of kernels/experts.py), imported inside the kernels
-    package so that its relative imports resolve."""
-    name = "wide_moe_triton.kernels._probe_variant"
+    """The module at ``path`` (a copy of kernels/experts/tiles.py), imported inside the
+    experts package so that its relative imports resolve."""
+    name = "wide_moe_triton.kernels.experts._probe_variant"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -235,7 +235,8 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=0,
                    help="probe only the first N configs of each list (0: all)")
     p.add_argument("--variant", metavar="FILE",
-                   help="a copy of kernels/experts.py whose kernels time the best pair again")
+                   help="a copy of kernels/experts/tiles.py whose kernels time the best pair "
+                        "again")
     p.add_argument("--up", type=json.loads, metavar="JSON",
                    help="a JSON list of up configs, probed instead of the layout's list")
     p.add_argument("--down", type=json.loads, metavar="JSON",
