@@ -30,13 +30,14 @@ section of benchmarks/NOTES.md that gives the measurement, its date and its comm
   copies (NOTES: Weight layout).
 - "wgmma_decode", the Hopper default, also permutes the bits of each 4-byte word so
   that our own decode is a few shifts and masks (``_bf16_pairs``), about a third fewer
-  instructions than Triton's E2M1 table lookup, and on Hopper multiplies the exact BF16
-  tiles with ``tl.dot`` (``staged_dot``), whose operands the compiler's pipeliner
-  stages in shared memory asynchronously: the gathered activation rows then feed the
-  MMA from shared memory with no store through registers, no fence and one barrier
-  less a step (``_reduce_staged``, ``_bf16_weights_dot``). "wgmma" feeds the E2M1
-  codes to ``tl.dot_scaled``, whose activation operand the pipeliner does not stage
-  (``_reduce_prefetched``). NOTES: Exact decode instead of dot_scaled on Hopper.
+  instructions than Triton's E2M1 table lookup (NOTES: Weight layout), and on Hopper
+  multiplies the exact BF16 tiles with ``tl.dot`` (``staged_dot``), whose operands the
+  compiler's pipeliner stages in shared memory asynchronously: the gathered activation
+  rows then feed the MMA from shared memory with no store through registers, no fence
+  and one barrier less a step (``_reduce_staged``, ``_bf16_weights_dot``). "wgmma"
+  feeds the E2M1 codes to ``tl.dot_scaled``, whose activation operand the pipeliner
+  does not stage (``_reduce_prefetched``). NOTES: Exact decode instead of dot_scaled
+  on Hopper.
 - ``maxnreg`` (a register cap, per config) buys resident warps to hide latency (NOTES:
   Weight layout).
 - The staged path's MMAs take the decoded weights from registers: each step waits for

@@ -97,8 +97,8 @@ PRIORS_DOWN_DECODE = config_rows([(32, 256, 1, 8, 4, 128), (16, 256, 1, 8, 4, 12
 # division) and the runners-up at b = 65-256 (NOTES: Column tiles in the down launch).
 # Then twice the rows on one warpgroup (up 128 hidden columns, down 256 latent ones),
 # whose loops issue 5-14% fewer instructions a weight element: 16x128 uncapped is the
-# tuner's pick at b = 64-256 (4% faster than 16x64), while at b = 1024 all are 6-48%
-# slower (NOTES: Tuning method).
+# tuner's pick at b = 64-256, 4% faster than 16x64 (NOTES: SiTU without division), while
+# at b = 1024 all are 6-48% slower (NOTES: What limits the experts at b = 1024).
 PRIORS_UP_STAGED = [dict(c, MASK_ROWS=m) for c, m in zip(config_rows(
     [(32, 64, 1, 4, 3, 168), (32, 64, 1, 4, 3, 168), (32, 128, 1, 8, 4, 128),
      (16, 64, 1, 4, 3, 128), (32, 128, 1, 4, 3, 168), (16, 128, 1, 4, 3, 168),
