@@ -4,6 +4,7 @@
     stock = LatentMoE(WideMoEConfig.tiny(), seed=0)
     wide = WideMoE.from_module(stock)
     y = wide(x)            # x [b, H] BF16 -> [b, H] BF16
+    wide = WideMoE.from_checkpoint("ckpt_dir", layer=5)   # a Kimi-K3 checkpoint's layer
 """
 
 from .config import WideMoEConfig
@@ -16,7 +17,7 @@ def __getattr__(name):
 
     if name in ("WideMoE", "WideScratch", "SimulatedGroup"):
         return getattr(importlib.import_module(".module", __name__), name)
-    if name in ("ops", "mx", "reference", "tuning"):
+    if name in ("ops", "mx", "reference", "tuning", "checkpoint", "layout"):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'wide_moe_triton' has no attribute {name!r}")
 

@@ -2,7 +2,13 @@
 path and through WideMoE, and print how far apart they are and how long each took.
 
 On CPU it uses the tiny config in Triton's interpreter; with a GPU, the production dims
-(Kimi-K3, T = 1) unless ``--tiny``."""
+(Kimi-K3, T = 1) unless ``--tiny``.
+
+With ``--checkpoint DIR --layer N``: that MoE layer of a Kimi-K3 checkpoint instead, on
+unit-RMS rows times the layer's post-attention norm weight (its input's scale in the
+model), through the stock path (the whole layer) and through WideMoE over T simulated
+ranks (``--tp``), each built from its own slices of the checkpoint (only rank R's with
+``--rank R``, the others then cut from the whole layer); plus the routing load."""
 
 from __future__ import annotations
 
@@ -18,7 +24,20 @@ def _parse(argv):
     p.add_argument("--tiny", action="store_true", help="the tiny config even on a GPU")
     p.add_argument("--batches", type=int, nargs="+", help="batch widths to run")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--checkpoint", metavar="DIR", help="a Kimi-K3 checkpoint directory")
+    p.add_argument("--layer", type=int, help="the MoE layer of --checkpoint to run")
+    p.add_argument("--tp", type=int, default=1, help="simulated tensor-parallel ranks")
+    p.add_argument("--rank", type=int, help="load only this rank's shard from --checkpoint")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="--checkpoint's device (default: cuda where there is a GPU)")
+    args = p.parse_args(argv)
+    if (args.checkpoint is None) != (args.layer is None):
+        p.error("--checkpoint and --layer go together")
+    if args.checkpoint is None and (args.rank is not None or args.tp != 1 or args.device):
+        p.error("--tp, --rank and --device go with --checkpoint")
+    if args.rank is not None and not 0 <= args.rank < args.tp:
+        p.error(f"--rank must be in [0, --tp = {args.tp})")
+    return args
 
 
 def _timed(fn, x, cuda):
@@ -35,6 +54,8 @@ def _timed(fn, x, cuda):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.checkpoint is not None:
+        return run_checkpoint(args)
     import torch
 
     cuda = torch.cuda.is_available()
@@ -47,17 +68,23 @@ def main(argv=None) -> int:
     batches = args.batches or ([1, 5, 64, 70] if tiny else [1, 65, 257, 1024])
     device = "cuda" if cuda else "cpu"
     where = torch.cuda.get_device_name() if cuda else "CPU, Triton interpreter"
-    print(f"wide_moe_triton on {where}: {'tiny' if tiny else 'Kimi-K3'} dims "
-          f"H={cfg.hidden} L={cfg.latent} E={cfg.num_experts} K={cfg.top_k} "
-          f"I={cfg.expert_intermediate} S={cfg.shared_intermediate}")
+    print(f"wide_moe_triton on {where}: {'tiny' if tiny else 'Kimi-K3'} dims {_dims(cfg)}")
     stock = LatentMoE(cfg, seed=args.seed, device=device)
     wide = WideMoE.from_module(stock)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    inputs = (torch.randn(b, cfg.hidden, generator=gen, device=device).bfloat16()
+              for b in batches)
+    return _compare(stock, wide, inputs, cuda)
+
+
+def _compare(stock, wide, inputs, cuda) -> int:
+    """Print, for each input, both paths' times and how far apart their outputs are;
+    0 if every relative error is below 1e-2, else 1."""
     print(f"{'b':>6} {'stock s':>9} {'wide s':>9} {'max |diff|':>11} {'rel err':>9} "
           f"{'bitwise':>8}")
     worst = 0.0
-    for b in batches:
-        x = torch.randn(b, cfg.hidden, generator=gen, device=device).bfloat16()
+    for x in inputs:
+        b = x.shape[0]
         wide(x)  # compile / warm up
         ref, t_stock = _timed(stock, x, cuda)
         out, t_wide = _timed(wide, x, cuda)
@@ -71,6 +98,64 @@ def main(argv=None) -> int:
     print("OK: WideMoE matches the stock path" if ok else
           f"MISMATCH: relative error {worst:.2e} exceeds 1e-2")
     return 0 if ok else 1
+
+
+def run_checkpoint(args) -> int:
+    """``--checkpoint DIR --layer N``: the checkpoint's layer through both paths."""
+    import torch
+
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from wide_moe_triton import SimulatedGroup, WideMoE, checkpoint, reference
+
+    device = "cuda" if cuda else "cpu"
+    start = time.perf_counter()
+    stock = checkpoint.load_layer(args.checkpoint, args.layer, device=device)
+    loaded = f"whole layer {_nbytes(stock) / 2**20:.0f} MiB in {time.perf_counter() - start:.1f} s"
+    cfg, T = stock.cfg, args.tp
+    if T == 1:
+        wide = WideMoE.from_module(stock)
+    else:
+        per_rank = []
+        for r in range(T):
+            if args.rank not in (None, r):
+                per_rank.append(stock)
+                continue
+            start = time.perf_counter()
+            per_rank.append(checkpoint.load_layer(args.checkpoint, args.layer, tp=T, rank=r,
+                                                  device=device))
+            loaded += (f"; rank {r} of {T} {_nbytes(per_rank[-1]) / 2**20:.0f} MiB in "
+                       f"{time.perf_counter() - start:.1f} s")
+        group = SimulatedGroup(per_rank)
+        wide = lambda x: group(x)[0]  # noqa: E731  (every rank's output is the same)
+    where = torch.cuda.get_device_name() if cuda else "CPU, Triton interpreter"
+    print(f"wide_moe_triton on {where}: {args.checkpoint} layer {args.layer}, T = {T}: "
+          f"{_dims(cfg)}")
+    print(f"loaded: {loaded}")
+    batches = args.batches or ([1, 65, 257, 1024] if cuda else [1, 5, 64])
+    gen = torch.Generator(device=device).manual_seed(args.seed + 1)
+    inputs = [checkpoint.layer_inputs(args.checkpoint, args.layer, b, generator=gen,
+                                      device=device) for b in batches]
+    status = _compare(stock, wide, inputs, cuda)
+    x = inputs[batches.index(max(batches))]
+    ids, _ = reference.route(reference.mm_f32(x, stock.gate_weight),
+                             stock.e_score_correction_bias, cfg.top_k, cfg.renormalize,
+                             cfg.routed_scaling_factor)
+    load = torch.bincount(ids.flatten().long(), minlength=cfg.num_experts)
+    print(f"routing of b = {x.shape[0]} (top-{cfg.top_k}): tokens per expert min "
+          f"{load.min().item()} / median {load.median().item()} / max {load.max().item()}, "
+          f"experts touched {(load > 0).sum().item()} of {cfg.num_experts}")
+    return status
+
+
+def _dims(cfg) -> str:
+    return (f"H={cfg.hidden} L={cfg.latent} E={cfg.num_experts} K={cfg.top_k} "
+            f"I={cfg.expert_intermediate} S={cfg.shared_intermediate}")
+
+
+def _nbytes(module) -> int:
+    return sum(t.nbytes for t in module.buffers())
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 MX_BLOCK = 32  # OCP MX v1.0: one shared E8M0 scale per 32 elements along the reduction
 
@@ -75,6 +77,77 @@ class WideMoEConfig:
                    routed_scaling_factor=2.5, renormalize=True, beta=4.0,
                    linear_beta=25.0, rms_eps=1e-6, tp=tp, wide_rows=wide_rows)
 
+    @classmethod
+    def from_hf_config(cls, path_or_dict, tp: int = 1, wide_rows: int = 1024) -> "WideMoEConfig":
+        """The MoE layer of a Hugging Face ``config.json`` (a path to it or to its
+        directory, or the parsed dict; Kimi-K3 keeps the text model's fields under
+        ``text_config``). A config this layer cannot serve (another router activation,
+        several expert groups, another activation, no latent, no latent norm) raises
+        ValueError naming the field and its value."""
+        f = hf_text_config(path_or_dict)
+
+        def need(name, kind):
+            value = f.get(name)
+            ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+            if not ok:
+                raise ValueError(f"config field {name} = {value!r}: expected "
+                                 f"{' or '.join(k.__name__ for k in _tuple(kind))}")
+            return value
+
+        def refuse(name, value, why):
+            raise ValueError(f"config field {name} = {value!r}: {why}")
+
+        if f.get("routed_expert_hidden_size") is None:
+            refuse("routed_expert_hidden_size", None, "this layer needs the latent (the "
+                   "routed experts run in a latent of that width)")
+        if need("moe_router_activation_func", str) != "sigmoid":
+            refuse("moe_router_activation_func", f["moe_router_activation_func"],
+                   "only the sigmoid router is served")
+        if f.get("use_grouped_topk"):
+            for name in ("num_expert_group", "topk_group"):
+                if need(name, int) != 1:
+                    refuse(name, f[name], "only one expert group is served (plain top-k)")
+        if need("hidden_act", str) != "situ":
+            refuse("hidden_act", f["hidden_act"], "only SiTU experts are served")
+        if need("latent_moe_use_norm", bool) is not True:
+            refuse("latent_moe_use_norm", False, "this layer norms the latent (RMSNorm)")
+        inter, shared = need("moe_intermediate_size", int), need("num_shared_experts", int)
+        if shared < 1:
+            refuse("num_shared_experts", shared, "this layer has shared experts")
+        if "activation_situ_linear_beta" not in f:
+            refuse("activation_situ_linear_beta", None, "required (null: the up input "
+                   "is not clamped)")
+        linear_beta = f["activation_situ_linear_beta"]
+        number = (int, float)
+        return cls(hidden=need("hidden_size", int), latent=need("routed_expert_hidden_size", int),
+                   num_experts=need("num_experts", int), top_k=need("num_experts_per_token", int),
+                   expert_intermediate=inter, shared_intermediate=inter * shared,
+                   routed_scaling_factor=float(need("routed_scaling_factor", number)),
+                   renormalize=need("moe_renormalize", bool),
+                   beta=float(need("activation_situ_beta", number)),
+                   linear_beta=None if linear_beta is None else
+                   float(need("activation_situ_linear_beta", number)),
+                   rms_eps=float(need("rms_norm_eps", number)), tp=tp, wide_rows=wide_rows)
+
+    def hf_config(self) -> dict:
+        """The Hugging Face text-config fields ``from_hf_config`` reads, for this layer
+        (the whole layer: ``tp`` and ``wide_rows`` are not the model's)."""
+        if self.shared_intermediate % self.expert_intermediate:
+            raise ValueError(f"shared_intermediate ({self.shared_intermediate}) must be a "
+                             f"whole number of experts of {self.expert_intermediate}")
+        return {
+            "hidden_size": self.hidden, "routed_expert_hidden_size": self.latent,
+            "num_experts": self.num_experts, "num_experts_per_token": self.top_k,
+            "moe_intermediate_size": self.expert_intermediate,
+            "num_shared_experts": self.shared_intermediate // self.expert_intermediate,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "moe_renormalize": self.renormalize, "moe_router_activation_func": "sigmoid",
+            "use_grouped_topk": True, "num_expert_group": 1, "topk_group": 1,
+            "hidden_act": "situ", "activation_situ_beta": self.beta,
+            "activation_situ_linear_beta": self.linear_beta, "rms_norm_eps": self.rms_eps,
+            "latent_moe_use_norm": True,
+        }
+
     def replace(self, **changes) -> "WideMoEConfig":
         return dataclasses.replace(self, **changes)
 
@@ -103,3 +176,22 @@ class WideMoEConfig:
     def mailbox_columns(self) -> int:
         """BF16 columns of one mailbox row: the latent, then the logits as FP32 words."""
         return self.latent + 2 * self.num_experts
+
+
+def hf_text_config(path_or_dict) -> dict:
+    """The text model's fields of a Hugging Face config (a ``config.json``, its directory,
+    or the parsed dict): its ``text_config`` where it has one, else the config itself."""
+    if isinstance(path_or_dict, dict):
+        config = path_or_dict
+    else:
+        path = os.fspath(path_or_dict)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _tuple(kind):
+    return kind if isinstance(kind, tuple) else (kind,)

@@ -164,14 +164,11 @@ class WideMoE(nn.Module):
     def from_module(cls, stock: reference.LatentMoE, group=None, *,
                     scratch: WideScratch | None = None, device=None) -> "WideMoE":
         """A ``WideMoE`` over ``stock``'s weights, sharded for ``group`` (a
-        ``torch.distributed`` process group; None = one rank). ``scratch``: the model's
-        shared buffers (one per model, made here if None)."""
-        if group is None:
-            rank, world = 0, 1
-        else:
-            import torch.distributed as dist
-
-            rank, world = dist.get_rank(group), dist.get_world_size(group)
+        ``torch.distributed`` process group; None = one rank): sliced out of a whole
+        layer, or taken as it is where ``stock`` holds this rank's shard (``checkpoint.
+        load_layer``). ``scratch``: the model's shared buffers (one per model, made here if
+        None)."""
+        rank, world = _rank_world(group)
         device = torch.device(device) if device is not None else stock.gate_weight.device
         cfg = stock.cfg.replace(tp=world)
         if scratch is None:
@@ -179,6 +176,23 @@ class WideMoE(nn.Module):
                        else WideScratch.symmetric(cfg, device, group))
         _check_scratch(scratch, cfg, device)
         return cls(cfg, _to(shard(stock, rank, world), device), scratch, group=group)
+
+    @classmethod
+    def from_checkpoint(cls, path, layer: int, group=None, *, scratch: WideScratch | None = None,
+                        device=None, wide_rows: int = 1024, prefix: str | None = None
+                        ) -> "WideMoE":
+        """A ``WideMoE`` of MoE layer ``layer`` of the checkpoint in ``path`` (see
+        ``checkpoint``), sharded for ``group`` (None = one rank): this rank reads only
+        its own slices. ``device``: default the current CUDA device, else the CPU."""
+        from . import checkpoint
+
+        rank, world = _rank_world(group)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if torch.cuda.is_available() else torch.device("cpu"))
+        stock = checkpoint.load_layer(path, layer, tp=world, rank=rank, device=device,
+                                      wide_rows=wide_rows, prefix=prefix)
+        return cls.from_module(stock, group, scratch=scratch, device=device)
 
     # -- the stages, in call order; ``SimulatedGroup`` runs them rank by rank ----------
 
@@ -288,16 +302,28 @@ class WideMoE(nn.Module):
 class SimulatedGroup:
     """T ranks of ``WideMoE`` in one process over T local mailboxes (tests, CPU): every
     stage runs rank by rank, so each rank's polls find its peers' data already there.
-    The all-reduces are FP32 sums of the BF16 partials in rank order, rounded once."""
+    The all-reduces are FP32 sums of the BF16 partials in rank order, rounded once.
 
-    def __init__(self, stock: reference.LatentMoE, world: int, device=None,
+    ``stock``: the whole layer, sliced into ``world`` ranks; or one ``LatentMoE`` a rank
+    (``world`` = their count), each the whole layer or that rank's shard."""
+
+    def __init__(self, stock, world: int | None = None, device=None,
                  spin_limit: int = mailbox_k.DEFAULT_SPIN_LIMIT):
-        device = torch.device(device) if device is not None else stock.gate_weight.device
-        cfg = stock.cfg.replace(tp=world)
+        per_rank = list(stock) if isinstance(stock, (list, tuple)) else [stock] * (world or 0)
+        if not per_rank or (world is not None and world != len(per_rank)):
+            raise ValueError(f"SimulatedGroup needs a whole layer and world >= 1, or one "
+                             f"LatentMoE a rank; got world = {world} for {len(per_rank)}")
+        world = len(per_rank)
+        device = (torch.device(device) if device is not None
+                  else per_rank[0].gate_weight.device)
+        cfg = per_rank[0].cfg.replace(tp=world)
+        for r, m in enumerate(per_rank):
+            if m.cfg.replace(tp=world) != cfg:
+                raise ValueError(f"rank {r}'s layer is {m.cfg}, rank 0's {per_rank[0].cfg}")
         scratches = WideScratch.simulated(cfg, device)
         self.cfg = cfg
-        self.ranks = [WideMoE(cfg, _to(shard(stock, r, world), device), scratches[r],
-                              spin_limit=spin_limit) for r in range(world)]
+        self.ranks = [WideMoE(cfg, _to(shard(m, r, world), device), scratches[r],
+                              spin_limit=spin_limit) for r, m in enumerate(per_rank)]
 
     @staticmethod
     def _reduce(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -319,6 +345,15 @@ class SimulatedGroup:
         latent = self._reduce([m.routed(b).clone() for m in self.ranks])
         hidden = self._reduce([m.tail(latent.clone(), s) for m, s in zip(self.ranks, shared)])
         return [hidden.clone() for _ in self.ranks]
+
+
+def _rank_world(group) -> tuple[int, int]:
+    """(rank, world size) of a process group; (0, 1) for None."""
+    if group is None:
+        return 0, 1
+    import torch.distributed as dist
+
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _check_scratch(scratch: WideScratch, cfg: WideMoEConfig, device) -> None:

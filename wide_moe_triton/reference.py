@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import mx
+from . import layout, mx
+from .checks import check_tensor
 from .config import WideMoEConfig
 
 
@@ -126,49 +127,93 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LatentMoE(nn.Module):
-    """The stock latent-MoE layer (the whole layer, one rank: ``cfg.tp`` only tells
-    ``WideMoE`` how to shard it).
+    """The stock latent-MoE layer: the whole layer (rank 0 of 1), or the weights of rank
+    ``rank`` of ``world`` tensor-parallel ranks (a checkpoint loaded per rank; only
+    ``WideMoE`` runs it). For a whole layer ``cfg.tp`` only tells ``WideMoE`` how to
+    shard it.
 
-    Buffers (the checkpoint layout ``load_state_dict`` takes):
+    Buffers (the layouts the stock path and the kernels read; a shard holds its slices):
     ``gate_weight`` [E, H] BF16 router, ``e_score_correction_bias`` [E] FP32,
     ``latent_down`` [L, H] BF16, ``w13``/``w13_scales`` and ``w2``/``w2_scales`` the MXFP4
     experts (see ``expert_rows``), ``norm_weight`` [L] BF16, ``latent_up`` [H, L] BF16,
     ``shared_gate_up`` [2S, H] BF16 (gate rows then up rows), ``shared_down`` [H, S] BF16.
+
+    ``state_dict()`` and ``load_state_dict`` speak the checkpoint's names, shapes and
+    dtypes (``layout.entries``: ``gate.weight``, ``experts.j.w1.weight_packed``, ...), as
+    views of these buffers.
+
+    ``weights``: the buffers by name (``layout.buffers(cfg, world)``'s shapes and dtypes),
+    taken as they are; without it, random weights of the whole layer drawn from ``seed``.
     """
 
-    def __init__(self, cfg: WideMoEConfig, seed: int = 0, device: str | torch.device = "cpu"):
+    def __init__(self, cfg: WideMoEConfig, seed: int = 0, device: str | torch.device = "cpu",
+                 *, weights: dict[str, torch.Tensor] | None = None, rank: int = 0,
+                 world: int = 1):
         super().__init__()
-        self.cfg = cfg
-        device = torch.device(device)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        H, L, E, I, S = (cfg.hidden, cfg.latent, cfg.num_experts, cfg.expert_intermediate,
-                         cfg.shared_intermediate)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank}")
+        # A shard's dims must split into whole MX blocks: replace(tp=world) checks it.
+        self.cfg = cfg if world == 1 else cfg.replace(tp=world)
+        self.rank, self.world = rank, world
+        if weights is None:
+            if world != 1:
+                raise ValueError("random weights are drawn for the whole layer only "
+                                 "(world = 1)")
+            weights = _random_weights(cfg, seed, torch.device(device))
+        expected = layout.buffers(self.cfg, world)
+        if set(weights) != set(expected):
+            raise ValueError(f"weights must hold exactly {sorted(expected)}, got "
+                             f"{sorted(weights)}")
+        for name, (shape, dtype) in expected.items():
+            check_tensor(name, weights[name], dtype, shape)
+            self.register_buffer(name, weights[name])
 
-        def normal(*shape, std=1.0, mean=0.0):
-            return torch.randn(*shape, generator=gen, device=device) * std + mean
+    @property
+    def whole(self) -> bool:
+        """Whether this module holds the whole layer (not one rank's shard)."""
+        return self.world == 1
 
-        bf16 = torch.bfloat16
-        # Standard deviations keep every activation near unit scale: no E4M3 overflow
-        # before the scale, no all-zero MX blocks, SiTU away from its saturation.
-        self.register_buffer("gate_weight", normal(E, H, std=H ** -0.5).to(bf16))
-        self.register_buffer("e_score_correction_bias", normal(E, std=0.05))
-        self.register_buffer("latent_down", normal(L, H, std=H ** -0.5).to(bf16))
-        w13, w13_s, w2, w2_s = [], [], [], []
-        chunk = max(1, (1 << 28) // (2 * I * L))  # bound the FP32 draw to 1 GiB
-        for start in range(0, E, chunk):
-            n = min(chunk, E - start)
-            p, s = mx.quantize_mxfp4(normal(n, 2 * I, L, std=L ** -0.5))
-            w13.append(p), w13_s.append(s)
-            p, s = mx.quantize_mxfp4(normal(n, L, I, std=I ** -0.5))
-            w2.append(p), w2_s.append(s)
-        self.register_buffer("w13", torch.cat(w13))
-        self.register_buffer("w13_scales", torch.cat(w13_s))
-        self.register_buffer("w2", torch.cat(w2))
-        self.register_buffer("w2_scales", torch.cat(w2_s))
-        self.register_buffer("norm_weight", normal(L, std=0.1, mean=1.0).to(bf16))
-        self.register_buffer("latent_up", normal(H, L, std=L ** -0.5).to(bf16))
-        self.register_buffer("shared_gate_up", normal(2 * S, H, std=H ** -0.5).to(bf16))
-        self.register_buffer("shared_down", normal(H, S, std=S ** -0.5).to(bf16))
+    # The checkpoint's names: views of the stacked buffers (see ``layout``).
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for e in layout.entries(self.cfg, self.world):
+            t = e.view(self._buffers)
+            destination[prefix + e.name] = t if keep_vars else t.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        # Every tensor is checked before any is copied: a refused state dict leaves the
+        # module as it was.
+        found, errors = [], []
+        ours = layout.entries(self.cfg, self.world)
+        for e in ours:
+            key = prefix + e.name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value, shape = state_dict[key], e.rank_shape(self.world)
+            if not isinstance(value, torch.Tensor) or value.dtype != e.dtype or \
+                    tuple(value.shape) != shape:
+                got = (f"{value.dtype} {list(value.shape)}" if isinstance(value, torch.Tensor)
+                       else type(value).__name__)
+                errors.append(f"{key}: expected {e.dtype} {list(shape)}, got {got}")
+                continue
+            found.append((e, value))
+        names = {prefix + e.name for e in ours}
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix)
+                                   and k not in names)
+        error_msgs.extend(errors)
+        if errors or (strict and len(found) < len(ours)):
+            return
+        with torch.no_grad():
+            for e, value in found:
+                e.view(self._buffers).copy_(value)
+
+    def _check_whole(self) -> None:
+        if not self.whole:
+            raise ValueError(f"this LatentMoE holds rank {self.rank} of {self.world}'s "
+                             f"shard: run the layer through WideMoE or SimulatedGroup")
 
     def shared_expert(self, x: torch.Tensor) -> torch.Tensor:
         """BF16 [b, H]: the fused shared experts (see ``shared_expert``)."""
@@ -177,6 +222,7 @@ class LatentMoE(nn.Module):
 
     def routed_latent(self, x: torch.Tensor) -> torch.Tensor:
         """BF16 [b, L]: the routed experts' latent output before the norm."""
+        self._check_whole()
         cfg = self.cfg
         logits = mm_f32(x, self.gate_weight)
         latent = mm_f32(x, self.latent_down).to(torch.bfloat16)
@@ -189,9 +235,42 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, H] BF16 -> [b, H] BF16."""
+        self._check_whole()
         if x.dim() != 2 or x.shape[1] != self.cfg.hidden or x.dtype != torch.bfloat16:
             raise ValueError(f"x must be BF16 [b, {self.cfg.hidden}], got "
                              f"{x.dtype} {tuple(x.shape)}")
         shared = self.shared_expert(x)
         normed = rms_norm(self.routed_latent(x), self.norm_weight, self.cfg.rms_eps)
         return (shared.float() + mm_f32(normed, self.latent_up)).to(torch.bfloat16)
+
+
+def _random_weights(cfg: WideMoEConfig, seed: int, device: torch.device) -> dict:
+    """The whole layer's buffers, drawn from ``seed`` on ``device``."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    H, L, E, I, S = (cfg.hidden, cfg.latent, cfg.num_experts, cfg.expert_intermediate,
+                     cfg.shared_intermediate)
+
+    def normal(*shape, std=1.0, mean=0.0):
+        return torch.randn(*shape, generator=gen, device=device) * std + mean
+
+    bf16 = torch.bfloat16
+    # Standard deviations keep every activation near unit scale: no E4M3 overflow
+    # before the scale, no all-zero MX blocks, SiTU away from its saturation.
+    w = {"gate_weight": normal(E, H, std=H ** -0.5).to(bf16),
+         "e_score_correction_bias": normal(E, std=0.05),
+         "latent_down": normal(L, H, std=H ** -0.5).to(bf16)}
+    w13, w13_s, w2, w2_s = [], [], [], []
+    chunk = max(1, (1 << 28) // (2 * I * L))  # bound the FP32 draw to 1 GiB
+    for start in range(0, E, chunk):
+        n = min(chunk, E - start)
+        p, s = mx.quantize_mxfp4(normal(n, 2 * I, L, std=L ** -0.5))
+        w13.append(p), w13_s.append(s)
+        p, s = mx.quantize_mxfp4(normal(n, L, I, std=I ** -0.5))
+        w2.append(p), w2_s.append(s)
+    w.update(w13=torch.cat(w13), w13_scales=torch.cat(w13_s), w2=torch.cat(w2),
+             w2_scales=torch.cat(w2_s))
+    w["norm_weight"] = normal(L, std=0.1, mean=1.0).to(bf16)
+    w["latent_up"] = normal(H, L, std=L ** -0.5).to(bf16)
+    w["shared_gate_up"] = normal(2 * S, H, std=H ** -0.5).to(bf16)
+    w["shared_down"] = normal(H, S, std=S ** -0.5).to(bf16)
+    return w

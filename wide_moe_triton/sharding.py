@@ -28,7 +28,7 @@ def _gate_up_rows(t: torch.Tensor, rank: int, world: int, dim: int) -> torch.Ten
 
 @dataclasses.dataclass
 class RankShard:
-    """One rank's weights, in the stock layouts (contiguous copies)."""
+    """One rank's weights, in the stock layouts (contiguous)."""
 
     rank: int
     world: int
@@ -46,9 +46,12 @@ class RankShard:
 
 
 def shard(stock, rank: int, world: int) -> RankShard:
-    """Rank ``rank`` of ``world``'s weights out of a whole stock ``LatentMoE``."""
+    """Rank ``rank`` of ``world``'s weights out of a stock ``LatentMoE``: sliced out of a
+    whole layer, or taken as they are from a module that holds that rank's shard."""
     if not 0 <= rank < world:
         raise ValueError(f"rank must be in [0, {world}), got {rank}")
+    if not stock.whole:
+        return _held(stock, rank, world)
     stock.cfg.replace(tp=world)  # raises unless every dim divides into whole MX blocks
     c = lambda t: t.contiguous()  # noqa: E731
     inter = stock.w2.shape[2] * 2
@@ -68,3 +71,17 @@ def shard(stock, rank: int, world: int) -> RankShard:
         shared_gate_up=c(_gate_up_rows(stock.shared_gate_up, rank, world, dim=0)),
         shared_down=c(_rows(stock.shared_down, rank, world, dim=1)),
     )
+
+
+def _held(stock, rank: int, world: int) -> RankShard:
+    """The shard a ``LatentMoE`` loaded for one rank holds (its buffers are already that
+    rank's slices in the stock layouts)."""
+    if (stock.rank, stock.world) != (rank, world):
+        raise ValueError(f"this LatentMoE holds rank {stock.rank} of {stock.world}'s "
+                         f"shard, not rank {rank} of {world}'s")
+    return RankShard(
+        rank=rank, world=world, gate_weight=stock.gate_weight,
+        latent_down=stock.latent_down, bias=stock.e_score_correction_bias,
+        w13=stock.w13, w13_scales=stock.w13_scales, w2=stock.w2, w2_scales=stock.w2_scales,
+        norm_weight=stock.norm_weight, latent_up=stock.latent_up,
+        shared_gate_up=stock.shared_gate_up, shared_down=stock.shared_down)
