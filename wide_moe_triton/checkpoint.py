@@ -257,9 +257,9 @@ def _read_batches(names, base, whole_entries, entries, rank, world):
 
 
 def _check_scales(piece: _Piece, src: torch.Tensor) -> None:
-    bad = (src == SCALE_NAN).nonzero()
-    if len(bad):
-        at = [int(i) + s.start for i, s in zip(bad[0], piece.src)]
+    bad = src == SCALE_NAN
+    if bad.any():
+        at = [int(i) + s.start for i, s in zip(bad.nonzero()[0], piece.src)]
         raise CheckpointError(f"{piece.key}: E8M0 scale byte 0xFF (NaN) at {at}")
 
 
