@@ -59,7 +59,7 @@ PLACES = {0: "mailbox parity 0", 1: "mailbox parity 1",
           TAIL_LATENT: "tail rows of the latent all-reduce",
           TAIL_HIDDEN: "tail rows of the hidden all-reduce"}
 TAIL_KERNEL = "tail_publish"
-TAIL_DEFAULT = {"BLOCK_T": 1, "BLOCK_C": 1024, "num_warps": 4}
+TAIL_DEFAULT = {"BLOCK_T": 4, "BLOCK_C": 1024, "num_warps": 4}
 
 
 def shape_key(experts_per_rank: int, latent_per_rank: int, world: int) -> str:

@@ -42,7 +42,7 @@ DEFAULT = {"BLOCK_T": 1, "num_warps": 4}
 SPACE = [{"BLOCK_T": t, "num_warps": w} for t in (1, 2, 4) for w in (2, 4, 8, 16) if t <= w]
 MAX_COLUMNS = 1 << 14  # a whole row lives in one program's registers
 KERNEL_REDUCE = "tail_all_reduce"  # the hidden rows' all-reduce
-REDUCE_DEFAULT = {"BLOCK_T": 1, "BLOCK_C": 1024, "num_warps": 4}
+REDUCE_DEFAULT = {"BLOCK_T": 4, "BLOCK_C": 1024, "num_warps": 4}
 REDUCE_SPACE = [{"BLOCK_T": t, "BLOCK_C": c, "num_warps": w}
                 for t in (1, 2, 4) for c in (512, 1024, 2048) for w in (4, 8) if t * c <= 4096]
 
