@@ -3,7 +3,8 @@ bandwidth floor, in one run on one GPU (docs/design.md, benchmarks/NOTES.md).
 
     python benchmarks/bench_layer.py [--batches 65 128 256 512 1024] [--shapes tp8 tp16 tp1]
                                      [--out DIR] [--no-peers] [--experts-only]
-                                     [--stock-batches 1 65 ...] [--dry-run]
+                                     [--stock-batches 1 65 ...] [--simulated 2]
+                                     [--dry-run]
 
 ``--shapes``: ``tpN`` times rank 0 of T = N at production dims on this one GPU (every
 stage, rank-local shapes); ``tp1`` adds the whole layer (WideMoE eager and CUDA graph
@@ -11,6 +12,11 @@ beside the stock ``LatentMoE``, at 1 and every ``--batches`` width, ``--layer-ba
 to change them) and a bitwise batch-invariance line (a row alone, inside 65 rows,
 inside the widest). The stock path loops over experts in Python (up to 2 s a call at
 b = 1024): it is timed once a width, after the check call, at ``--stock-batches``.
+``--simulated T`` (T > 1) adds T simulated ranks of the whole layer on this one GPU
+(``SimulatedGroup``: the tail's all-reduces over the mailbox's tail rows, every rank's
+stages one after another on one stream): every rank's output checked for the same bits,
+the group's CUDA graph checked against eager and timed (the T ranks' work in series:
+not a multi-GPU timing), and batch invariance on every rank.
 ``--dry-run`` runs the same code at ``WideMoEConfig.tiny`` dims on the CPU (Triton's
 interpreter, one untimed call a row, nominal floors): it checks the script, not the
 kernels' speed.
@@ -53,7 +59,8 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from wide_moe_triton import LatentMoE, WideMoE, WideMoEConfig, mx, reference  # noqa: E402
+from wide_moe_triton import (LatentMoE, SimulatedGroup, WideMoE, WideMoEConfig, mx,  # noqa: E402
+                             reference)
 from wide_moe_triton.kernels import experts as experts_k  # noqa: E402
 from wide_moe_triton.kernels import finalize as finalize_k  # noqa: E402
 from wide_moe_triton.kernels import front as front_k  # noqa: E402
@@ -70,7 +77,7 @@ ROWS: list[dict] = []
 NOTES: list[str] = []   # lines for the markdown below the table (invariance, skips)
 DEVICE = torch.device("cpu" if DRY else "cuda")
 ROTATE_BYTES = 128 << 20   # > 2x the H200's 60 MB L2
-OURS = ("triton", "triton, 2 launches", "WideMoE graph", "WideMoE eager")
+OURS = ("triton", "triton, 2 launches", "WideMoE graph", "WideMoE eager", "SimulatedGroup graph")
 
 
 @dataclasses.dataclass
@@ -540,10 +547,6 @@ def whole_layer(stock, batches, machine, label="tp1", stock_batches=None):
     wide = WideMoE.from_module(stock)
     cfg = stock.cfg
     gen = torch.Generator(device=DEVICE).manual_seed(99)
-    per_expert = (stock.w13[0].numel() + stock.w13_scales[0].numel() + stock.w2[0].numel()
-                  + stock.w2_scales[0].numel())
-    dense = (stock.gate_weight.numel() + stock.latent_down.numel() + stock.latent_up.numel()
-             + stock.shared_gate_up.numel() + stock.shared_down.numel()) * 2
     for b in batches:
         xs = [torch.randn(b, cfg.hidden, generator=gen, device=DEVICE).bfloat16()
               for _ in range(4)]
@@ -555,33 +558,86 @@ def whole_layer(stock, batches, machine, label="tp1", stock_batches=None):
         if not err < 1e-2:
             print(f"!! {label} b={b}: whole layer wrong: not timed")
             continue
-        logits = reference.mm_f32(xs[0], stock.gate_weight)
-        ids, _ = reference.route(logits, stock.e_score_correction_bias, cfg.top_k, True, 1.0)
-        touched = torch.unique(ids).numel()
-        nb = touched * per_expert + dense + 2 * b * cfg.hidden * 2
-        flops = 2 * b * (dense // 2 + cfg.top_k * 3 * cfg.latent * cfg.expert_intermediate)
+        nb, flops = layer_traffic(stock, xs[0])
         nxt = cycle(xs)
         record(label, b, "layer", "WideMoE eager", bench_eager(lambda: wide(nxt())), nb,
                machine, flops, check=f"{err:.1e}")
         if DEVICE.type == "cuda":
-            try:
-                static = xs[0].clone()
-                graph, y = capture_graph(wide, static)
-                graph.replay()
-                torch.cuda.synchronize()
-                check = graph_check(y, wide(static), lambda: wide(static))
-                if check != "= eager":
-                    print(f"!! {label} b={b}: the graph's output {check}")
-                record(label, b, "layer", "WideMoE graph", bench_eager(graph.replay), nb,
-                       machine, flops, check=check)
-                del graph, y
-            except Exception as err2:
-                print(f"   graph capture failed: {type(err2).__name__}: {str(err2)[:200]}")
+            graph_row(label, b, "WideMoE graph", lambda x: [wide(x)], xs[0], nb, flops,
+                      machine)
         if stock_batches is None or b in stock_batches:
             record(label, b, "layer", "LatentMoE (stock)", bench_once(lambda: stock(xs[0])),
                    nb, machine, flops)
         print_rows(label, b)
-    batch_invariance(wide, cfg, max(batches), label)
+    batch_invariance(lambda x: [wide(x)], cfg, max(batches), label)
+
+
+def layer_traffic(stock, x) -> tuple[int, int]:
+    """(bytes, FLOPs) the whole layer must move and compute for the rows ``x``: the
+    experts its tokens route to, the dense weights, x in and the output out."""
+    cfg, b = stock.cfg, x.shape[0]
+    per_expert = (stock.w13[0].numel() + stock.w13_scales[0].numel() + stock.w2[0].numel()
+                  + stock.w2_scales[0].numel())
+    dense = (stock.gate_weight.numel() + stock.latent_down.numel() + stock.latent_up.numel()
+             + stock.shared_gate_up.numel() + stock.shared_down.numel()) * 2
+    logits = reference.mm_f32(x, stock.gate_weight)
+    ids, _ = reference.route(logits, stock.e_score_correction_bias, cfg.top_k, True, 1.0)
+    touched = torch.unique(ids).numel()
+    nb = touched * per_expert + dense + 2 * b * cfg.hidden * 2
+    flops = 2 * b * (dense // 2 + cfg.top_k * 3 * cfg.latent * cfg.expert_intermediate)
+    return nb, flops
+
+
+def same_bits(outs) -> bool:
+    """Whether every rank's output has rank 0's bits."""
+    return all(torch.equal(o.view(torch.int16), outs[0].view(torch.int16)) for o in outs)
+
+
+def simulated_layer(stock, world, batches, machine):
+    """T simulated ranks of the layer on this GPU (``SimulatedGroup``): every rank's
+    output checked for the same bits and against the stock path, the group's CUDA graph
+    checked against eager and timed (the T ranks' work in series), then batch invariance
+    on every rank."""
+    group = SimulatedGroup(stock, world)
+    label = f"sim{world}"
+    gen = torch.Generator(device=DEVICE).manual_seed(98)
+    for b in batches:
+        x = torch.randn(b, stock.cfg.hidden, generator=gen, device=DEVICE).bfloat16()
+        outs = group(x)
+        err = rel_err(outs[0], stock(x))
+        print(f"   {label} b={b}: rank 0 vs LatentMoE rel err {err:.2e}, every rank "
+              f"{'the same bits' if same_bits(outs) else 'DIFFERENT bits'}")
+        if not (err < 1e-2 and same_bits(outs)):
+            print(f"!! {label} b={b}: simulated layer wrong: not timed")
+            continue
+        nb, flops = layer_traffic(stock, x)
+        if DEVICE.type == "cuda":
+            graph_row(label, b, "SimulatedGroup graph", group, x, nb, flops, machine)
+        else:
+            record(label, b, "layer", "SimulatedGroup graph", dry_time(lambda: group(x)), nb,
+                   machine, flops, check=f"{err:.1e}")
+        print_rows(label, b)
+    batch_invariance(group, stock.cfg, max(batches), label)
+
+
+def graph_row(label, b, impl, layer, x, nb, flops, machine) -> None:
+    """The CUDA graph of one ``layer(x)`` call (every rank's output), checked against
+    eager (and every rank against rank 0), then its replay timed as row ``impl``."""
+    try:
+        static = x.clone()
+        graph, ys = capture_graph(layer, static)
+        graph.replay()
+        torch.cuda.synchronize()
+        check = graph_check(ys[0], layer(static)[0], lambda: layer(static)[0])
+        if not same_bits(ys):
+            check += ", ranks differ in the graph"
+        if check != "= eager":
+            print(f"!! {label} b={b}: the graph's output {check}")
+        record(label, b, "layer", impl, bench_eager(graph.replay), nb, machine, flops,
+               check=check)
+        del graph, ys
+    except Exception as err:
+        print(f"   graph capture failed: {type(err).__name__}: {str(err)[:200]}")
 
 
 def graph_check(replayed, eager, eager_again) -> str:
@@ -599,18 +655,20 @@ def graph_check(replayed, eager, eager_again) -> str:
             f"calls {again})")
 
 
-def batch_invariance(wide, cfg, widest, label):
+def batch_invariance(layer, cfg, widest, label):
     """Whether row 7's output has the same bits alone, inside 65 rows and inside
-    ``widest`` rows (the layer compiled above for these widths: milliseconds)."""
+    ``widest`` rows, on every rank (``layer(x)``: every rank's output; the layer compiled
+    above for these widths: milliseconds)."""
     if widest < 65:
         return
     x = torch.randn(widest, cfg.hidden, generator=torch.Generator(device=DEVICE).manual_seed(5),
                     device=DEVICE).bfloat16()
-    alone, in_65, in_all = wide(x[7:8]), wide(x[:65])[7:8], wide(x)[7:8]
-    equal = torch.equal(alone.view(torch.int16), in_65.view(torch.int16)) and torch.equal(
-        alone.view(torch.int16), in_all.view(torch.int16))
+    rows = [o[row:row + 1] for run, row in ((x[7:8], 0), (x[:65], 7), (x, 7))
+            for o in layer(run)]
+    equal = same_bits(rows)
     line = (f"batch invariance ({label}, whole layer, E = {cfg.num_experts}): row 7 alone / "
-            f"in 65 rows / in {widest} rows: {'bitwise equal' if equal else 'DIFFER'}")
+            f"in 65 rows / in {widest} rows, every rank: "
+            f"{'bitwise equal' if equal else 'DIFFER'}")
     print(f"   {line}")
     NOTES.append(line)
 
@@ -712,6 +770,21 @@ def dims(tp: int) -> WideMoEConfig:
     return WideMoEConfig.tiny(tp=tp, wide_rows=128) if DRY else WideMoEConfig.kimi_k3(tp=tp)
 
 
+def free_memory() -> None:
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def shape_part(stock, tp, label, args, layer_batches, machine) -> None:
+    """``--shapes tpN``: the whole layer first at tp1, then rank 0's stages."""
+    if tp == 1 and not args.experts_only:
+        whole_layer(stock, layer_batches, machine, stock_batches=args.stock_batches)
+        free_memory()
+    stage_rank(stock, dims(tp), 0, args.batches, machine, label,
+               with_peers=not args.no_peers, experts_only=args.experts_only)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -721,6 +794,9 @@ def main(argv=None):
                    help="whole-layer widths at tp1 (default: 1 and every --batches width)")
     p.add_argument("--stock-batches", type=int, nargs="+", default=None,
                    help="widths at which the stock LatentMoE is timed (default: all)")
+    p.add_argument("--simulated", type=int, nargs="+", default=[],
+                   help="T simulated ranks of the whole layer on this GPU (e.g. 2), at the "
+                        "whole-layer widths")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--experts-only", action="store_true",
                    help="time only the experts rows (ours and the peers); no whole layer")
@@ -739,24 +815,22 @@ def main(argv=None):
     t0 = time.time()
     stock = LatentMoE(dims(1), seed=0, device=DEVICE)
     print(f"# stock layer built in {time.time() - t0:.0f} s")
+    parts = []
     for label in args.shapes:
-        tp = int(label[2:])
+        parts.append((label, lambda tp=int(label[2:]), label=label: shape_part(
+            stock, tp, label, args, layer_batches, machine)))
+    for world in args.simulated:
+        parts.append((f"sim{world}", lambda world=world: simulated_layer(
+            stock, world, layer_batches, machine)))
+    for label, part in parts:
         t0 = time.time()
         try:
-            if tp == 1 and not args.experts_only:
-                whole_layer(stock, layer_batches, machine, stock_batches=args.stock_batches)
-                gc.collect()
-                if DEVICE.type == "cuda":
-                    torch.cuda.empty_cache()
-            stage_rank(stock, dims(tp), 0, args.batches, machine, label,
-                       with_peers=not args.no_peers, experts_only=args.experts_only)
+            part()
         except Exception:
             traceback.print_exc()
-        gc.collect()
-        if DEVICE.type == "cuda":
-            torch.cuda.empty_cache()
+        free_memory()
         print(f"# {label} done in {time.time() - t0:.0f} s", flush=True)
-        if ROWS:  # after every shape: a run stopped by a timeout keeps what finished
+        if ROWS:  # after every part: a run stopped by a timeout keeps what finished
             write_outputs(pathlib.Path(args.out), machine)
     if ROWS:
         summary()

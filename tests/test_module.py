@@ -1,15 +1,19 @@
 """WideMoE against the stock LatentMoE: the same function, on one rank and on T
 simulated ranks, plus the module's contract (any batch, errors, mailbox hygiene)."""
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import DEVICE
-from wide_moe_triton import mx, reference
-from wide_moe_triton import LatentMoE, SimulatedGroup, WideMoE, WideMoEConfig
+from conftest import DEVICE, forbid_launches
+from wide_moe_triton import mx, reference, tuning
+from wide_moe_triton import LatentMoE, SimulatedGroup, WideMoE, WideMoEConfig, WideScratch
 from wide_moe_triton.kernels import front as front_k
 from wide_moe_triton.kernels import mailbox as mailbox_k
+from wide_moe_triton.kernels import tail as tail_k
+from wide_moe_triton.sharding import shard
 
 CFG = WideMoEConfig.tiny(wide_rows=64)
 
@@ -56,6 +60,19 @@ def assert_mailbox_empty(scratch):
     words = box[:, :, CFG.latent:].contiguous().view(torch.int32)
     assert (latent == mailbox_k.SENTINEL_BF16).all()
     assert (words == mailbox_k.SENTINEL_WORD).all()
+    if scratch.tail is not None:
+        assert (scratch.tail == mailbox_k.SENTINEL_BF16).all(), "tail rows not re-armed"
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+def assert_same_bits_on_every_rank(outs, expected=None):
+    """Every rank's output has the bits of rank 0's (and of ``expected`` if given)."""
+    expected = outs[0] if expected is None else expected
+    for r, out in enumerate(outs):
+        assert torch.equal(bits(out), bits(expected)), f"rank {r}"
 
 
 @given(b=st.integers(1, CFG.wide_rows), seed=st.integers(0, 2 ** 16))
@@ -80,6 +97,44 @@ def test_simulated_ranks_equal_stock(stock, world, b, seed):
         assert_close_to_stock(out, ref, plan_flips(stock, x, group.ranks[0].scratch))
     for m in group.ranks:
         assert_mailbox_empty(m.scratch)
+        assert int(m.scratch.error.abs().sum()) == 0
+    assert_same_bits_on_every_rank(outs)
+
+
+def test_one_rank_exchanges_nothing(stock, monkeypatch):
+    # At T = 1 the all-reduces are the partials themselves: no tail rows, no exchange
+    # launched, the bits of the plain RMSNorm path whichever all_reduce is asked for.
+    x = inputs(7, 2)
+    expected = WideMoE.from_module(stock, all_reduce="nccl")(x)
+    forbid_launches(monkeypatch, mailbox_k, "_publish_partial_kernel")
+    forbid_launches(monkeypatch, tail_k, "_all_reduce_rms_norm_kernel", "_all_reduce_kernel")
+    wide = WideMoE.from_module(stock)
+    assert wide.all_reduce == "mailbox" and wide.scratch.tail is None
+    assert torch.equal(bits(wide(x)), bits(expected))
+
+
+def test_simulated_group_runs_wide_batches_in_chunks(stock):
+    small = LatentMoE(CFG.replace(wide_rows=8), seed=0, device=DEVICE)
+    group = SimulatedGroup(small, 2)
+    x = inputs(10, 13)
+    outs = group(x)
+    assert_same_bits_on_every_rank(outs)
+    assert_same_bits_on_every_rank([o[8:] for o in outs], group(x[8:])[0])
+    assert_close_to_stock(outs[0][8:], small(x[8:]), plan_flips(small, x[8:],
+                                                                group.ranks[0].scratch))
+    assert all(o.shape == (0, CFG.hidden) for o in group(x[:0]))
+
+
+def test_all_reduce_choice_is_checked(stock):
+    with pytest.raises(ValueError, match="all_reduce must be one of"):
+        WideMoE.from_module(stock, all_reduce="gloo")
+    # A rank of two whose scratch has no tail rows cannot use the mailbox's all-reduce.
+    cfg = CFG.replace(tp=2)
+    made = WideScratch.simulated(cfg, DEVICE)[1]
+    bare = WideScratch(cfg, DEVICE, made.mailbox, made.table)
+    with pytest.raises(ValueError, match="tail rows"):
+        WideMoE(cfg, shard(stock, 1, 2), bare, all_reduce="mailbox")
+    assert WideMoE(cfg, shard(stock, 1, 2), bare, all_reduce="nccl").all_reduce == "nccl"
 
 
 def test_negative_zero_inputs_publish_and_do_not_hang(stock, wide):
@@ -206,6 +261,33 @@ def test_batch_invariance_check_catches_a_width_dependent_order(stock96):
             assert_batch_invariant(wide, inputs(CFG_WIDE.wide_rows, 5), 7, mp)
 
 
+# Launch configs of the stages that reduce nothing across a batch (any config gives the
+# same bits: tests/test_route.py, test_finalize.py, test_tail.py), forced alike at every
+# width to keep the interpreter's cost down; the GEMMs keep their disagreeing table.
+CHEAP = {"route_plan": dict(BLOCK_T=16, CANDIDATES=4, num_warps=16, ZERO_BLOCK=128,
+                            BLOCK_ROWS=16, BLOCK_COLS=256),
+         "finalize": dict(BLOCK_T=16, BLOCK_L=256, num_warps=4),
+         tail_k.KERNEL: dict(BLOCK_T=16, num_warps=16)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@given(row=st.integers(0, 64), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=1)
+def test_batch_invariance_across_ranks(stock96, world, row, seed):
+    x = inputs(CFG_WIDE.wide_rows, seed)
+    with pytest.MonkeyPatch.context() as mp, contextlib.ExitStack() as forced:
+        mp.setattr(front_k, "config_for", disagreeing_table)
+        for kernel, config in CHEAP.items():
+            forced.enter_context(tuning.override(kernel, config))
+        group = SimulatedGroup(stock96, world)
+        alone, in_65, in_all = group(x[row:row + 1]), group(x[:65]), group(x)
+    assert_same_bits_on_every_rank(alone)
+    assert_same_bits_on_every_rank([o[row:row + 1] for o in in_65], alone[0])
+    assert_same_bits_on_every_rank([o[:65] for o in in_all], in_65[0])
+    assert_same_bits_on_every_rank(in_all)
+    assert_close_to_stock(in_all[0], stock96(x), plan_flips(stock96, x, group.ranks[0].scratch))
+
+
 def test_determinism(wide):
     x = inputs(CFG.wide_rows, 3)
     assert torch.equal(wide(x), wide(x))
@@ -234,16 +316,26 @@ def test_wrong_device_raises(wide):
         wide(inputs(3, 1).cpu())
 
 
-def test_rank_that_never_publishes_is_named(stock):
-    group = SimulatedGroup(stock, 2, spin_limit=3)
+@pytest.mark.parametrize("world,missing", [(2, 0)])
+def test_rank_that_never_publishes_is_named(stock, world, missing):
+    group = SimulatedGroup(stock, world, spin_limit=3)
     x = inputs(4, 9)
-    group(x, skip_publish={1})
-    with pytest.raises(RuntimeError, match=r"mailbox.*rank 0 of 2.*rank\(s\) \[1\]"):
-        group.ranks[0].check_mailbox()
+    group(x, skip_publish={missing})  # every poll ends
+    places = (r"mailbox parity 0, tail rows of the latent all-reduce, tail rows of the "
+              r"hidden all-reduce")
     for m in group.ranks:
+        with pytest.raises(RuntimeError, match=rf"rank {m.rank} of {world}: {places} still "
+                                               rf"empty in the columns of rank\(s\) \[{missing}\]"):
+            m.check_mailbox()
         m.scratch.rearm()
     outs = group(x)
+    # Every rank holds the bits of the partials summed in FP32 in rank order and rounded
+    # once: what the host-side sums of the "nccl" stand-in compute.
+    assert_same_bits_on_every_rank(outs, SimulatedGroup(stock, world, all_reduce="nccl")(x)[0])
     assert_close_to_stock(outs[0], stock(x), plan_flips(stock, x, group.ranks[0].scratch))
+    for m in group.ranks:
+        assert_mailbox_empty(m.scratch)
+        m.check_mailbox()
 
 
 def test_nan_token_is_nan_and_others_exact(stock, wide):
@@ -270,3 +362,45 @@ def test_inf_token_is_not_finite_and_others_exact(stock, wide, value):
     assert torch.equal(out[keep], clean[keep])
     assert_mailbox_empty(wide.scratch)
     assert int(wide.scratch.error.abs().sum()) == 0
+
+
+# ------------------------------------------------------------------------- CUDA graphs
+
+def captured(fn, static):
+    """A CUDA graph of one ``fn(static)`` call (after warm-up calls on a side stream) and
+    the output tensors it writes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(static)
+    return graph, out
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("b", [5, 64, 65])
+def test_graph_replay_equals_eager(stock, world, b):
+    # T = 1: the layer on its streams; T = 2: two simulated ranks on one stream, their
+    # polls and re-arms (mailbox and tail rows) replayed with the graph.
+    if world == 1:
+        wide = WideMoE.from_module(stock)
+        layer, scratches = (lambda x: [wide(x)]), [wide.scratch]
+    else:
+        group = SimulatedGroup(stock, world)
+        layer, scratches = group, [m.scratch for m in group.ranks]
+    static = inputs(b, 0)
+    graph, outs = captured(layer, static)
+    for seed in (1, 2, 3):
+        x = inputs(b, seed)
+        static.copy_(x)
+        graph.replay()
+        replayed = [o.clone() for o in outs]
+        assert_same_bits_on_every_rank(replayed, layer(x)[0])
+        for scratch in scratches:
+            assert_mailbox_empty(scratch)
+            assert int(scratch.error.abs().sum()) == 0

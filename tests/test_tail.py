@@ -1,16 +1,17 @@
-"""The tail: its RMSNorm, bf16(x * rsqrt(mean(x^2) + eps) * weight) in FP32, and its
-up-projection added into the shared partial, bf16(fp32(shared) + normed @ up.T)."""
+"""The tail: its RMSNorm, bf16(x * rsqrt(mean(x^2) + eps) * weight) in FP32, its
+up-projection added into the shared partial, bf16(fp32(shared) + normed @ up.T), and its
+all-reduces over T simulated ranks' tail rows (the sum in rank order, rounded once)."""
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from conftest import DEVICE, forbid_launches, poison
 from gemm_cases import (LAYOUTS, REDUCTIONS, assert_mostly_equal, assert_one_rounding,
                         draw_row_and_configs, error_bound)
 from gemm_cases import make_inputs as gemm_inputs
 from wide_moe_triton import reference
-from wide_moe_triton.kernels import tail
+from wide_moe_triton.kernels import mailbox, tail
 from wide_moe_triton.kernels.tail import add_up_projection, rms_norm
 
 EPS = 1e-6
@@ -210,5 +211,263 @@ def _bad_calls():
 @pytest.mark.parametrize("index", range(len(_bad_calls())))
 def test_argument_errors_name_the_argument(index):
     call, error, message = _bad_calls()[index]
+    with pytest.raises(error, match=message):
+        call()
+
+
+# ------------------------------------------------------------------- tail all-reduces
+
+class TailRanks:
+    """T simulated ranks: one tail buffer each and the table of their pointers."""
+
+    def __init__(self, world, latent, hidden, wide_rows=16):
+        self.dims = mailbox.TailDims(wide_rows, world, latent, hidden)
+        self.buffers = [mailbox.arm_tail(torch.empty(wide_rows, world, latent + hidden,
+                                                     dtype=torch.int16, device=DEVICE))
+                        for _ in range(world)]
+        self.table = mailbox.tail_table(self.buffers)
+        self.error = mailbox.new_error_record(DEVICE)
+
+    def publish(self, partials, which, skip=()):
+        for r, p in enumerate(partials):
+            if r not in skip:
+                mailbox.publish_partial(p, self.table, r, self.dims, which)
+
+    def norm(self, rank, rows, weight, spin_limit=8, config=None):
+        out = poison(torch.empty(rows, self.dims.latent, dtype=torch.bfloat16, device=DEVICE))
+        return tail.all_reduce_rms_norm(self.buffers[rank], self.dims, rows, weight, EPS,
+                                        out=out, error=self.error, spin_limit=spin_limit,
+                                        config=config)
+
+    def reduce(self, rank, rows, spin_limit=8, config=None, spare=0):
+        """Rank ``rank``'s hidden sum, into the first H columns of rows ``spare`` wider."""
+        wide = poison(torch.empty(rows, self.dims.hidden + spare, dtype=torch.bfloat16,
+                                  device=DEVICE))
+        out = wide[:, :self.dims.hidden]
+        assert tail.all_reduce(self.buffers[rank], self.dims, rows, out=out, error=self.error,
+                               spin_limit=spin_limit, config=config) is out
+        return out
+
+    def all_empty(self) -> bool:
+        return all(bool((b == mailbox.SENTINEL_BF16).all()) for b in self.buffers)
+
+
+def rank_order_sum(partials):
+    """The reference: the BF16 partials added in FP32 in rank order 0..T-1 from +0 (as
+    published: a -0 goes out as +0), rounded once to BF16."""
+    total = torch.zeros(partials[0].shape, dtype=torch.float32, device=DEVICE)
+    for p in partials:
+        total = total + p.float()
+    return total.to(torch.bfloat16)
+
+
+# Values whose FP32 sums depend on the order they are added in, and edge values.
+EDGES = [0.0, -0.0, 2.0 ** 24, -2.0 ** 24, 1.0, 3.0, 2.0 ** -133, -1e38, 3e38,
+         float("inf"), -float("inf"), float("nan")]
+
+
+@st.composite
+def partials_of(draw, world, b, n):
+    """T BF16 partials [b, n]: random rows with drawn edge values planted."""
+    seed = draw(st.integers(0, 2 ** 16))
+    gen = torch.Generator().manual_seed(seed)
+    scale = draw(st.sampled_from([1e-3, 1.0, 1e6]))
+    parts = [torch.randn(b, n, generator=gen) * scale for _ in range(world)]
+    for _ in range(draw(st.integers(0, 6))):
+        r, t, c = (draw(st.integers(0, m - 1)) for m in (world, b, n))
+        parts[r][t, c] = draw(st.sampled_from(EDGES))
+    return [p.bfloat16().to(DEVICE) for p in parts]
+
+
+def bits(t):
+    return t.view(torch.int16)
+
+
+def assert_same_bits(out, expected, what=""):
+    """Bitwise equal, except that a NaN is the quiet NaN 0x7FC0 every kernel writes (torch
+    keeps a NaN's sign and payload through its BF16 rounding)."""
+    nan = torch.isnan(expected.float())
+    assert torch.equal(torch.isnan(out.float()), nan), what
+    assert (bits(out)[nan] == mailbox.BF16_NAN).all(), what
+    assert torch.equal(bits(out)[~nan], bits(expected)[~nan]), what
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@given(data=st.data(), b=st.integers(1, 16), L=st.sampled_from([256, 96]),
+       config=st.sampled_from(CONFIGS))
+@settings(max_examples=4)
+def test_all_reduce_rms_norm_same_bits_on_every_rank(world, data, b, L, config):
+    ranks = TailRanks(world, L, 64)
+    parts = data.draw(partials_of(world, b, L))
+    _, weight = make_inputs(1, L, 1.0, seed=b)
+    ranks.publish(parts, "latent")
+    expected = tail.rms_norm(rank_order_sum(parts), weight, EPS, config=config)
+    for r in range(world):
+        out = ranks.norm(r, b, weight, config=config)
+        assert_same_bits(out, expected, f"rank {r}")
+    assert ranks.all_empty(), "not re-armed"
+    mailbox.check_mailbox_error(ranks.error)
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+@given(data=st.data(), b=st.integers(1, 16), H=st.sampled_from([64, 200]),
+       config=st.sampled_from([None, dict(BLOCK_T=1, BLOCK_C=64, num_warps=2),
+                               dict(BLOCK_T=4, BLOCK_C=128, num_warps=4)]))
+@settings(max_examples=4)
+def test_all_reduce_same_bits_on_every_rank(world, data, b, H, config):
+    ranks = TailRanks(world, 96, H)
+    parts = data.draw(partials_of(world, b, H))
+    ranks.publish(parts, "hidden")
+    expected = rank_order_sum(parts)
+    for r in range(world):
+        out = ranks.reduce(r, b, config=config, spare=3)
+        assert_same_bits(out, expected, f"rank {r}")
+    assert ranks.all_empty(), "not re-armed"
+    mailbox.check_mailbox_error(ranks.error)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1), (1, 2, 0)])
+def test_sum_runs_in_rank_order(order):
+    # 2^24 + 1 rounds back to 2^24 in FP32: the three values sum to 0, 1 or 2 depending on
+    # which two are added first. Each rank order of the same values gives its own sum.
+    values = [2.0 ** 24, 1.0, -2.0 ** 24]
+    ranks = TailRanks(3, 96, 64)
+    parts = [torch.full((2, 64), values[i], dtype=torch.bfloat16, device=DEVICE) for i in order]
+    ranks.publish(parts, "hidden")
+    exact = 0.0
+    for i in order:
+        exact = float(torch.tensor(exact, dtype=torch.float32) + values[i])
+    out = ranks.reduce(1, 2)
+    assert (out.float() == exact).all()
+    assert torch.equal(bits(out), bits(rank_order_sum(parts)))
+
+
+def test_published_rows_are_the_only_ones_read():
+    # Rows past b stay as published (the next call's data), and the latent and hidden
+    # regions do not touch each other.
+    ranks = TailRanks(2, 96, 64)
+    gen = torch.Generator().manual_seed(3)
+    lat = [torch.randn(5, 96, generator=gen).bfloat16().to(DEVICE) for _ in range(2)]
+    hid = [torch.randn(5, 64, generator=gen).bfloat16().to(DEVICE) for _ in range(2)]
+    ranks.publish(lat, "latent")
+    ranks.publish(hid, "hidden")
+    _, weight = make_inputs(1, 96, 1.0, seed=0)
+    ranks.norm(0, 3, weight)
+    assert (ranks.buffers[0][:3, :, :96] == mailbox.SENTINEL_BF16).all()
+    assert torch.equal(ranks.buffers[0][3:5, :, :96], ranks.buffers[1][3:5, :, :96])
+    assert (ranks.buffers[0][3:5, :, :96] != mailbox.SENTINEL_BF16).all()
+    assert torch.equal(ranks.reduce(0, 5), rank_order_sum(hid))
+    assert (ranks.buffers[0][:, :, 96:] == mailbox.SENTINEL_BF16).all()
+    mailbox.check_mailbox_error(ranks.error)
+
+
+@pytest.mark.parametrize("which", ["latent", "hidden"])
+def test_rank_that_never_publishes_is_named_then_rearm_recovers(which):
+    world, missing, b = 3, 2, 4
+    ranks = TailRanks(world, 96, 64)
+    gen = torch.Generator().manual_seed(11)
+    n = 96 if which == "latent" else 64
+    parts = [torch.randn(b, n, generator=gen).bfloat16().to(DEVICE) for _ in range(world)]
+    _, weight = make_inputs(1, 96, 1.0, seed=1)
+
+    def read(rank):
+        if which == "latent":
+            return ranks.norm(rank, b, weight, spin_limit=3)
+        return ranks.reduce(rank, b, spin_limit=3)
+
+    ranks.publish(parts, which, skip={missing})
+    for r in range(world - 1):
+        read(r)  # returns: the poll is bounded
+    place = "latent" if which == "latent" else "hidden"
+    with pytest.raises(RuntimeError, match=rf"tail rows of the {place} all-reduce.*\[{missing}\]"):
+        mailbox.check_mailbox_error(ranks.error, "layer 3")
+    for buffer in ranks.buffers:
+        mailbox.arm_tail(buffer)
+    ranks.error.zero_()
+    ranks.publish(parts, which)
+    expected = rank_order_sum(parts)
+    if which == "latent":
+        expected = tail.rms_norm(expected, weight, EPS)
+    for r in range(world):
+        assert torch.equal(bits(read(r)), bits(expected))
+    assert ranks.all_empty()
+    mailbox.check_mailbox_error(ranks.error)
+
+
+def test_all_reduce_in_place_over_the_published_partial():
+    ranks = TailRanks(2, 96, 64)
+    gen = torch.Generator().manual_seed(5)
+    lat = [torch.randn(3, 96, generator=gen).bfloat16().to(DEVICE) for _ in range(2)]
+    _, weight = make_inputs(1, 96, 1.0, seed=2)
+    ranks.publish(lat, "latent")
+    expected = tail.rms_norm(rank_order_sum(lat), weight, EPS)
+    out = tail.all_reduce_rms_norm(ranks.buffers[0], ranks.dims, 3, weight, EPS, out=lat[0],
+                                   error=ranks.error)
+    assert out is lat[0] and torch.equal(bits(out), bits(expected))
+
+
+def test_rms_norm_config_is_one_for_every_width(monkeypatch):
+    # The layout orders the sum of squares: a table whose buckets disagree must not
+    # change it with the batch width.
+    def table(kernel, shape, rows, default, device=None):
+        return {**default, "BLOCK_T": 1 if rows <= 16 else 4,
+                "num_warps": 8 if rows <= 16 else 4}
+
+    monkeypatch.setattr(tail, "config_for", table)
+    seen = []
+    real = tail._rms_norm_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append((kwargs["BLOCK_T"], kwargs["num_warps"]))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(tail, "_rms_norm_kernel", Spy())
+    for b in (1, 40):
+        x, weight = make_inputs(b, 96, 1.0, seed=b)
+        rms_norm(x, weight, EPS)
+    assert seen == [(1, 8), (1, 8)]
+
+
+def _bad_tail_calls():
+    ranks = TailRanks(2, 96, 64)
+    buf, dims, err = ranks.buffers[0], ranks.dims, ranks.error
+    bf16 = dict(dtype=torch.bfloat16, device=DEVICE)
+    w, lat, hid = torch.ones(96, **bf16), torch.zeros(3, 96, **bf16), torch.zeros(3, 64, **bf16)
+    return [
+        (lambda: tail.all_reduce_rms_norm(buf[:8], dims, 3, w, EPS, out=lat, error=err),
+         ValueError, "tail must have shape"),
+        (lambda: tail.all_reduce_rms_norm(buf, dims, 17, w, EPS, out=lat, error=err),
+         ValueError, "rows must be"),
+        (lambda: tail.all_reduce_rms_norm(buf, dims, 3, w[:64], EPS, out=lat, error=err),
+         ValueError, "weight must have shape"),
+        (lambda: tail.all_reduce_rms_norm(buf, dims, 3, w, EPS, out=lat[:2], error=err),
+         ValueError, "out must have shape"),
+        (lambda: tail.all_reduce_rms_norm(buf, dims, 3, w, EPS, out=lat, error=err[:1]),
+         ValueError, "error must have shape"),
+        (lambda: tail.all_reduce(buf, dims, 3, out=hid, error=err, spin_limit=0),
+         ValueError, "spin_limit"),
+        (lambda: tail.all_reduce(buf, dims, 3, out=hid.float(), error=err),
+         TypeError, "out must be torch.bfloat16"),
+        (lambda: tail.all_reduce(buf, dims, 3, out=torch.zeros(3, 128, **bf16)[:, ::2],
+                                 error=err), ValueError, "out must have contiguous rows"),
+        (lambda: mailbox.publish_partial(hid, ranks.table, 2, dims, "hidden"),
+         ValueError, "rank must be"),
+        (lambda: mailbox.publish_partial(hid, ranks.table, 0, dims, "latent"),
+         ValueError, "partial must have shape"),
+        (lambda: mailbox.publish_partial(hid, ranks.table, 0, dims, "shared"),
+         ValueError, "which must be"),
+        (lambda: mailbox.publish_partial(torch.zeros(17, 64, **bf16), ranks.table, 0, dims,
+                                         "hidden"), ValueError, "more than wide_rows"),
+        (lambda: mailbox.publish_partial(hid, ranks.table[:1], 0, dims, "hidden"),
+         ValueError, "table must have shape"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_tail_calls())))
+def test_tail_argument_errors_name_the_argument(index):
+    call, error, message = _bad_tail_calls()[index]
     with pytest.raises(error, match=message):
         call()

@@ -10,8 +10,10 @@ One call (docs/design.md), per rank r of T:
                   plan = mxfp8(polled latent)                        one launch with the plan)
                   rows = experts(plan, lists)                       (kernels/experts)
                   latent_out = finalize(rows, weights); generation += 1
-    main stream   latent = all_reduce(latent_out); normed = rms_norm(latent)
-                  shared[:, cols_r] += normed @ up_r.T; all_reduce(shared)   (kernels/tail)
+    main stream   publish latent_out into every rank's tail rows        (kernels/mailbox)
+                  normed = rms_norm(Σ_s latent_s), polled, one launch  (kernels/tail)
+                  shared[:, cols_r] += normed @ up_r.T
+                  publish shared; shared = Σ_s shared_s, polled
 
 Buffers live in a ``WideScratch`` sized at ``wide_rows`` and shared by every layer of a
 model (layers run one after another on the same streams, so one set serves them all).
@@ -21,14 +23,20 @@ comes in. Every stage's reduction order is fixed per shape, never per batch widt
 dense linears (front GEMM, the shared expert's two linears, the tail's up-projection)
 all run on the front GEMM, whose BLOCK_K/SPLIT_K come from the smallest bucket of their
 own tuning entry, and no stage calls a BLAS kernel (whose choice depends on the batch).
-That covers one rank (T = 1) and ``SimulatedGroup``. Across real ranks the two
-all-reduces are NCCL's, whose algorithm (and with it the order in which the ranks'
-partials are added) may change with the message size: not covered.
+The RMSNorm's sum of squares runs with one launch layout per L (kernels/tail). Across
+ranks, the two all-reduces run over the tail rows of the mailbox (``all_reduce=
+"mailbox"``, the default): each rank sums the T partials in FP32 in rank order and rounds
+once, so every rank holds the same bits at every batch width, and T = 1 skips them (the
+sum of one partial is itself). ``all_reduce="nccl"`` (``torch.distributed.all_reduce``)
+stays for comparison and for a scratch without tail rows: NCCL's algorithm, and with it
+the order in which the ranks' partials are added, may change with the message size, so
+there a token's bits may depend on the batch width.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 from torch import nn
@@ -45,20 +53,30 @@ from .kernels import shared as shared_k
 from .kernels import tail as tail_k
 from .sharding import RankShard, shard
 
+ALL_REDUCES = ("mailbox", "nccl")  # the tail's all-reduces (``WideMoE``)
+
 
 class WideScratch:
     """Model-owned buffers at the widest batch: the mailbox (two parities), the routing
     lists with the device-side generation counter, and every stage's output.
 
-    ``mailboxes``: this rank's mailbox buffer and the table of every rank's buffer
-    pointers; built by ``local`` (T = 1 or CPU), ``simulated`` (T ranks in one process)
-    or ``symmetric`` (real symmetric memory over a process group)."""
+    ``mailbox``, ``table``: this rank's mailbox buffer and the table of every rank's
+    buffer pointers; ``tail``, ``tail_table``: the same for the tail rows of the
+    all-reduces (T > 1; None where the all-reduces are NCCL's). Built by ``local`` (T = 1
+    or CPU), ``simulated`` (T ranks in one process) or ``symmetric`` (real symmetric
+    memory over a process group)."""
 
-    def __init__(self, cfg: WideMoEConfig, device, mailbox: torch.Tensor, table: torch.Tensor):
+    def __init__(self, cfg: WideMoEConfig, device, mailbox: torch.Tensor, table: torch.Tensor,
+                 tail: torch.Tensor | None = None, tail_table: torch.Tensor | None = None):
         R, E, K, L = cfg.wide_rows, cfg.num_experts, cfg.top_k, cfg.latent
         dev = torch.device(device)
         self.cfg, self.device = cfg, dev
         self.mailbox, self.table = mailbox, table
+        self.tail, self.tail_table, self.tail_dims = tail, tail_table, None
+        if tail is not None:
+            self.tail_dims = mailbox_k.tail_dims(cfg)
+            mailbox_k.check_tail("tail", tail, self.tail_dims)
+            check_tensor("tail_table", tail_table, torch.int64, (cfg.tp,), tail.device)
         self.lists = route_k.RoutingLists.empty(E, R, dev)
         self.error = mailbox_k.new_error_record(dev)
         empty = lambda *s, dtype: torch.empty(*s, dtype=dtype, device=dev)  # noqa: E731
@@ -94,33 +112,50 @@ class WideScratch:
 
     @classmethod
     def simulated(cls, cfg: WideMoEConfig, device) -> list["WideScratch"]:
-        """T ranks in one process: T local buffers, every rank's table naming all of them."""
+        """T ranks in one process: T local buffers (mailbox and tail rows), every rank's
+        tables naming all of them."""
         boxes = [mailbox_k.empty_mailbox(cfg, device) for _ in range(cfg.tp)]
         table = mailbox_k.mailbox_table(boxes)
-        return [cls(cfg, device, box, table) for box in boxes]
+        tails = [mailbox_k.empty_tail(cfg, device) for _ in range(cfg.tp)]
+        tail_table = mailbox_k.tail_table(tails)
+        return [cls(cfg, device, box, table, tail, tail_table)
+                for box, tail in zip(boxes, tails)]
 
     @classmethod
-    def symmetric(cls, cfg: WideMoEConfig, device, group) -> "WideScratch":
-        """Real symmetric memory over ``group`` (NCCL, one GPU a rank): each rank's buffer
-        is reachable by every peer; multicast is never used, publish stores to each peer."""
+    def symmetric(cls, cfg: WideMoEConfig, device, group, tail: bool = True) -> "WideScratch":
+        """Real symmetric memory over ``group`` (NCCL, one GPU a rank): each rank's buffers
+        (the mailbox, and the tail rows unless ``tail`` is False) are reachable by every
+        peer; multicast is never used, publish stores to each peer."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
+        name = (group.group_name if hasattr(group, "group_name")
+                else dist.group.WORLD.group_name)
+
+        def shared_buffer(shape, arm):
+            buffer = arm(symm_mem.empty(shape, dtype=torch.int16, device=device))
+            handle = symm_mem.rendezvous(buffer, name)
+            return buffer, torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64,
+                                        device=device)
+
         dims = mailbox_k.mailbox_dims(cfg)
-        box = symm_mem.empty((2, dims.wide_rows, dims.columns), dtype=torch.int16,
-                             device=device)
-        mailbox_k.arm_mailbox(box, cfg.latent)
-        handle = symm_mem.rendezvous(box, group.group_name if hasattr(group, "group_name")
-                                     else dist.group.WORLD.group_name)
-        table = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        box, table = shared_buffer((2, dims.wide_rows, dims.columns),
+                                   lambda b: mailbox_k.arm_mailbox(b, cfg.latent))
+        tail_rows = tail_ptrs = None
+        if tail:
+            t = mailbox_k.tail_dims(cfg)
+            tail_rows, tail_ptrs = shared_buffer((t.wide_rows, t.world, t.columns),
+                                                 mailbox_k.arm_tail)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every peer armed before anyone publishes
-        return cls(cfg, device, box, table)
+        return cls(cfg, device, box, table, tail_rows, tail_ptrs)
 
     def rearm(self) -> None:
-        """Empty both parities of this rank's mailbox and clear the error record (after a
-        poll timed out; every rank must do it, with no call in flight)."""
+        """Empty both parities of this rank's mailbox and its tail rows and clear the error
+        record (after a poll timed out; every rank must do it, with no call in flight)."""
         mailbox_k.arm_mailbox(self.mailbox, self.cfg.latent)
+        if self.tail is not None:
+            mailbox_k.arm_tail(self.tail)
         self.error.zero_()
 
 
@@ -134,16 +169,31 @@ class WideMoE(nn.Module):
     NaN policy: a token whose logits hold NaN routes as if those were -inf (ids always in
     [0, E)); NaN in x makes that token's output NaN and leaves every other token exact.
 
-    Mailbox timeouts: a poll gives up after ``spin_limit`` rounds and records the missing
-    ranks on the device. On CPU every forward raises on it; on a GPU reading the record
-    is a sync, so ``check_mailbox()`` is left to the caller (e.g. once a step).
+    Mailbox timeouts: a poll (the front's or the tail's) gives up after ``spin_limit``
+    rounds and records the missing ranks on the device. On CPU every forward raises on
+    it; on a GPU reading the record is a sync, so ``check_mailbox()`` is left to the
+    caller (e.g. once a step).
+
+    ``all_reduce``: "mailbox" (the tail's all-reduces over the scratch's tail rows, fixed
+    rank order: every rank holds the same bits at every batch width) or "nccl"
+    (``torch.distributed.all_reduce``); at T = 1 there is nothing to reduce either way.
     """
 
     def __init__(self, cfg: WideMoEConfig, weights: RankShard, scratch: WideScratch,
-                 group=None, spin_limit: int = mailbox_k.DEFAULT_SPIN_LIMIT):
+                 group=None, spin_limit: int = mailbox_k.DEFAULT_SPIN_LIMIT,
+                 all_reduce: str = "mailbox"):
         super().__init__()
+        if all_reduce not in ALL_REDUCES:
+            raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
+        if all_reduce == "mailbox" and weights.world > 1 and scratch.tail is None:
+            raise ValueError("all_reduce='mailbox' needs a scratch with tail rows (made by "
+                             "WideScratch.symmetric or .simulated); this one has none")
         self.cfg, self.rank, self.world = cfg, weights.rank, weights.world
         self.group, self.scratch, self.spin_limit = group, scratch, spin_limit
+        self.all_reduce = all_reduce
+        # The exchange over the tail rows: only across ranks (at T = 1 the sums are the
+        # partials themselves, and the tail is the plain RMSNorm).
+        self.mailbox_tail = all_reduce == "mailbox" and self.world > 1
         self.device = scratch.device
         self.register_buffer("packed", front_k.pack_front(
             weights.gate_weight, weights.latent_down, 0, 1))
@@ -162,28 +212,39 @@ class WideMoE(nn.Module):
 
     @classmethod
     def from_module(cls, stock: reference.LatentMoE, group=None, *,
-                    scratch: WideScratch | None = None, device=None) -> "WideMoE":
+                    scratch: WideScratch | None = None, device=None,
+                    all_reduce: str | None = None) -> "WideMoE":
         """A ``WideMoE`` over ``stock``'s weights, sharded for ``group`` (a
         ``torch.distributed`` process group; None = one rank): sliced out of a whole
         layer, or taken as it is where ``stock`` holds this rank's shard (``checkpoint.
         load_layer``). ``scratch``: the model's shared buffers (one per model, made here if
-        None)."""
+        None). ``all_reduce``: "mailbox" or "nccl" (see the class); None: "mailbox" unless
+        ``scratch`` was made without tail rows (then "nccl", with a warning)."""
         rank, world = _rank_world(group)
         device = torch.device(device) if device is not None else stock.gate_weight.device
         cfg = stock.cfg.replace(tp=world)
         if scratch is None:
-            scratch = (WideScratch.local(cfg, device) if world == 1
-                       else WideScratch.symmetric(cfg, device, group))
+            scratch = (WideScratch.local(cfg, device) if world == 1 else WideScratch.symmetric(
+                cfg, device, group, tail=all_reduce != "nccl"))
         _check_scratch(scratch, cfg, device)
-        return cls(cfg, _to(shard(stock, rank, world), device), scratch, group=group)
+        if all_reduce is None:
+            all_reduce = "mailbox"
+            if world > 1 and scratch.tail is None:
+                all_reduce = "nccl"
+                warnings.warn("wide_moe_triton: the scratch has no tail rows, so the tail's "
+                              "all-reduces run on NCCL (a token's bits may then depend on "
+                              "the batch width)", stacklevel=2)
+        return cls(cfg, _to(shard(stock, rank, world), device), scratch, group=group,
+                   all_reduce=all_reduce)
 
     @classmethod
     def from_checkpoint(cls, path, layer: int, group=None, *, scratch: WideScratch | None = None,
-                        device=None, wide_rows: int = 1024, prefix: str | None = None
-                        ) -> "WideMoE":
+                        device=None, wide_rows: int = 1024, prefix: str | None = None,
+                        all_reduce: str | None = None) -> "WideMoE":
         """A ``WideMoE`` of MoE layer ``layer`` of the checkpoint in ``path`` (see
         ``checkpoint``), sharded for ``group`` (None = one rank): this rank reads only
-        its own slices. ``device``: default the current CUDA device, else the CPU."""
+        its own slices. ``device``: default the current CUDA device, else the CPU.
+        ``all_reduce``: as ``from_module``."""
         from . import checkpoint
 
         rank, world = _rank_world(group)
@@ -192,7 +253,8 @@ class WideMoE(nn.Module):
                       if torch.cuda.is_available() else torch.device("cpu"))
         stock = checkpoint.load_layer(path, layer, tp=world, rank=rank, device=device,
                                       wide_rows=wide_rows, prefix=prefix)
-        return cls.from_module(stock, group, scratch=scratch, device=device)
+        return cls.from_module(stock, group, scratch=scratch, device=device,
+                               all_reduce=all_reduce)
 
     # -- the stages, in call order; ``SimulatedGroup`` runs them rank by rank ----------
 
@@ -234,15 +296,53 @@ class WideMoE(nn.Module):
                                       out=out, workspace=s.shared_workspace)
 
     def tail(self, latent: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of the all-reduced latent, this rank's up-projection columns added into
-        its shared partial (in place, FP32 accumulation, one rounding): the partial
-        hidden rows [b, H]."""
-        normed = tail_k.rms_norm(latent, self.norm_weight, self.cfg.rms_eps)
+        """The tail of this rank's partials: latent [b, L] and shared [b, H] -> the layer's
+        output [b, H] (in ``shared``). The stages below, in order."""
+        self.publish_latent(latent)
+        self.norm_up(latent, shared)
+        self.publish_hidden(shared)
+        return self.reduce_hidden(shared)
+
+    def publish_latent(self, latent: torch.Tensor) -> None:
+        """Start the latent's all-reduce: publish this rank's partial into every rank's
+        tail rows (mailbox), or all-reduce it in place (NCCL)."""
+        if self.mailbox_tail:
+            s = self.scratch
+            mailbox_k.publish_partial(latent, s.tail_table, self.rank, s.tail_dims, "latent")
+        else:
+            self._nccl(latent)
+
+    def norm_up(self, latent: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of the all-reduced latent (mailbox: polled, summed and normalized in
+        one launch, into ``latent``), this rank's up-projection columns added into its
+        shared partial (in place, FP32 accumulation, one rounding): the partial hidden
+        rows [b, H]."""
+        s, cfg = self.scratch, self.cfg
+        if self.mailbox_tail:
+            normed = tail_k.all_reduce_rms_norm(
+                s.tail, s.tail_dims, latent.shape[0], self.norm_weight, cfg.rms_eps,
+                out=latent, error=s.error, spin_limit=self.spin_limit)
+        else:
+            normed = tail_k.rms_norm(latent, self.norm_weight, cfg.rms_eps)
         tail_k.add_up_projection(normed, self.latent_up, shared[:, self.columns],
-                                 workspace=self.scratch.tail_workspace)
+                                 workspace=s.tail_workspace)
         return shared
 
-    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+    def publish_hidden(self, shared: torch.Tensor) -> None:
+        """Start the hidden rows' all-reduce (mailbox; NCCL's runs in ``reduce_hidden``)."""
+        if self.mailbox_tail:
+            s = self.scratch
+            mailbox_k.publish_partial(shared, s.tail_table, self.rank, s.tail_dims, "hidden")
+
+    def reduce_hidden(self, shared: torch.Tensor) -> torch.Tensor:
+        """The all-reduced hidden rows, in ``shared``: the layer's output."""
+        if self.mailbox_tail:
+            s = self.scratch
+            return tail_k.all_reduce(s.tail, s.tail_dims, shared.shape[0], out=shared,
+                                     error=s.error, spin_limit=self.spin_limit)
+        return self._nccl(shared)
+
+    def _nccl(self, t: torch.Tensor) -> torch.Tensor:
         if self.group is not None and self.world > 1:
             import torch.distributed as dist
 
@@ -275,9 +375,9 @@ class WideMoE(nn.Module):
         if not x.is_cuda:
             shared = self.shared(x)
             self.publish(x)
-            latent = self.routed(b)
+            out = self.tail(self.routed(b), shared)
             self.check_mailbox()
-            return self._all_reduce(self.tail(self._all_reduce(latent), shared))
+            return out
         s = self.scratch
         fork, shared_done, chain_done = s.events
         main = torch.cuda.current_stream(self.device)
@@ -296,19 +396,22 @@ class WideMoE(nn.Module):
         shared.record_stream(main)
         x.record_stream(s.side)
         x.record_stream(s.chain)
-        return self._all_reduce(self.tail(self._all_reduce(latent), shared))
+        return self.tail(latent, shared)
 
 
 class SimulatedGroup:
-    """T ranks of ``WideMoE`` in one process over T local mailboxes (tests, CPU): every
-    stage runs rank by rank, so each rank's polls find its peers' data already there.
-    The all-reduces are FP32 sums of the BF16 partials in rank order, rounded once.
+    """T ranks of ``WideMoE`` in one process over T local mailboxes and tail rows (tests,
+    CPU, one GPU): every stage runs rank by rank, so each rank's polls find its peers'
+    data already there. Everything runs on the current stream (CUDA-graph capturable).
 
     ``stock``: the whole layer, sliced into ``world`` ranks; or one ``LatentMoE`` a rank
-    (``world`` = their count), each the whole layer or that rank's shard."""
+    (``world`` = their count), each the whole layer or that rank's shard.
+    ``all_reduce``: "mailbox" (the ranks' own tail all-reduces) or "nccl", which NCCL's
+    sum stands in for here: FP32 sums of the BF16 partials in rank order, rounded once, on
+    the host side of the kernels."""
 
     def __init__(self, stock, world: int | None = None, device=None,
-                 spin_limit: int = mailbox_k.DEFAULT_SPIN_LIMIT):
+                 spin_limit: int = mailbox_k.DEFAULT_SPIN_LIMIT, all_reduce: str = "mailbox"):
         per_rank = list(stock) if isinstance(stock, (list, tuple)) else [stock] * (world or 0)
         if not per_rank or (world is not None and world != len(per_rank)):
             raise ValueError(f"SimulatedGroup needs a whole layer and world >= 1, or one "
@@ -321,30 +424,55 @@ class SimulatedGroup:
             if m.cfg.replace(tp=world) != cfg:
                 raise ValueError(f"rank {r}'s layer is {m.cfg}, rank 0's {per_rank[0].cfg}")
         scratches = WideScratch.simulated(cfg, device)
-        self.cfg = cfg
+        self.cfg, self.all_reduce = cfg, all_reduce
         self.ranks = [WideMoE(cfg, _to(shard(m, r, world), device), scratches[r],
-                              spin_limit=spin_limit) for r, m in enumerate(per_rank)]
+                              spin_limit=spin_limit, all_reduce=all_reduce)
+                      for r, m in enumerate(per_rank)]
 
     @staticmethod
     def _reduce(parts: list[torch.Tensor]) -> torch.Tensor:
-        total = parts[0].float()
-        for p in parts[1:]:
+        # From +0, as the mailbox's sum: partials that are all -0 sum to +0.
+        total = torch.zeros_like(parts[0], dtype=torch.float32)
+        for p in parts:
             total = total + p.float()
         return total.to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, skip_publish: set[int] = frozenset()) -> list:
-        """Every rank's output for x (each rank sees the same x); ``skip_publish`` names
-        ranks that fail to publish (to test the poll timeout)."""
+        """Every rank's output for x (each rank sees the same x), in chunks of wide_rows
+        rows as ``WideMoE``; ``skip_publish`` names ranks that publish nothing, neither
+        into the mailbox nor into the tail rows (to test the poll timeouts)."""
         for m in self.ranks:
             m._check_input(x)
+        x = x.contiguous()
+        rows = self.cfg.wide_rows
+        if x.shape[0] <= rows:
+            return self._call(x, skip_publish)
+        chunks = [self._call(x[i:i + rows], skip_publish) for i in range(0, x.shape[0], rows)]
+        return [torch.cat(outs) for outs in zip(*chunks)]
+
+    def _call(self, x: torch.Tensor, skip: set[int]) -> list:
         b = x.shape[0]
-        shared = [m.shared(x) for m in self.ranks]
-        for m in self.ranks:
-            if m.rank not in skip_publish:
+        if b == 0:
+            return [x.new_empty(0, self.cfg.hidden) for _ in self.ranks]
+        ranks = self.ranks
+        shared = [m.shared(x) for m in ranks]
+        for m in ranks:
+            if m.rank not in skip:
                 m.publish(x)
-        latent = self._reduce([m.routed(b).clone() for m in self.ranks])
-        hidden = self._reduce([m.tail(latent.clone(), s) for m, s in zip(self.ranks, shared)])
-        return [hidden.clone() for _ in self.ranks]
+        latent = [m.routed(b) for m in ranks]
+        if self.all_reduce == "nccl":
+            total = self._reduce([t.clone() for t in latent])
+            hidden = self._reduce([m.norm_up(total.clone(), s) for m, s in zip(ranks, shared)])
+            return [hidden.clone() for _ in ranks]
+        for m, t in zip(ranks, latent):
+            if m.rank not in skip:
+                m.publish_latent(t)
+        for m, t, s in zip(ranks, latent, shared):
+            m.norm_up(t, s)
+        for m, s in zip(ranks, shared):
+            if m.rank not in skip:
+                m.publish_hidden(s)
+        return [m.reduce_hidden(s) for m, s in zip(ranks, shared)]
 
 
 def _rank_world(group) -> tuple[int, int]:

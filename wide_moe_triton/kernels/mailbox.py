@@ -10,6 +10,18 @@ int32 view of the row). A word is empty when it holds negative zero (0x8000 per 
 empty. Readers poll until their words are all non-empty, then write the sentinel back
 (re-arm), so the buffer is all-sentinel again once every word of a call has been read.
 The parity of a call is ``generation[0] & 1``, read on the device by every kernel.
+
+Tail rows (the tail's all-reduces, kernels/tail.py): a second buffer a rank, int16
+``[wide_rows, T, L + H]``. Row t, slot s holds rank s's BF16 partial of token t: the latent
+in columns ``[0, L)``, the hidden row in ``[L, L + H)``. Rank r publishes into slot r of
+every rank's buffer (``publish_partial``); each rank polls its own buffer's T slots, sums
+them and re-arms them. Same sentinel, bounded polls and error record as the mailbox. No
+parity: every call exchanges the latent, then the hidden rows, and a rank publishes an
+exchange only once it has completed the one before, which took every peer's publication
+of it, and a peer publishes only after reading and re-arming the region it is leaving.
+So a region is never written for call n + 1 before every rank has read it for call n:
+the two regions alternate as the mailbox's two parities do, and CUDA graph replay needs
+no counter for them.
 """
 
 from __future__ import annotations
@@ -40,6 +52,14 @@ EMPTY_WORD: tl.constexpr = tl.constexpr(SENTINEL_WORD)
 # gives up after seconds, long past any healthy peer, never hanging the GPU for good.
 DEFAULT_SPIN_LIMIT = 1 << 22
 MAX_WORLD = 32                 # ranks are bits of the int32 error record
+# The places a poll can time out in, bits of the error record's second word beside the
+# mailbox's parities 0 and 1.
+TAIL_LATENT, TAIL_HIDDEN = 2, 3
+PLACES = {0: "mailbox parity 0", 1: "mailbox parity 1",
+          TAIL_LATENT: "tail rows of the latent all-reduce",
+          TAIL_HIDDEN: "tail rows of the hidden all-reduce"}
+TAIL_KERNEL = "tail_publish"
+TAIL_DEFAULT = {"BLOCK_T": 4, "BLOCK_C": 1024, "num_warps": 4}
 
 
 def shape_key(experts_per_rank: int, latent_per_rank: int, world: int) -> str:
@@ -116,11 +136,15 @@ def check_mailbox(name: str, buffer, dims: MailboxDims | None = None) -> None:
 def mailbox_table(buffers) -> torch.Tensor:
     """int64 ``[T]`` of the buffers' data pointers (rank order), on their device: what the
     kernels cast back to pointers to reach every rank's buffer."""
+    return _pointer_table(buffers, check_mailbox, "mailbox")
+
+
+def _pointer_table(buffers, check, what: str) -> torch.Tensor:
     buffers = list(buffers)
     if not buffers:
-        raise ValueError("buffers must hold at least one mailbox buffer")
+        raise ValueError(f"buffers must hold at least one {what} buffer")
     for i, b in enumerate(buffers):
-        check_mailbox(f"buffers[{i}]", b)
+        check(f"buffers[{i}]", b)
         if b.shape != buffers[0].shape or b.device != buffers[0].device:
             raise ValueError(f"buffers[{i}] is {list(b.shape)} on {b.device}, but buffers[0] "
                              f"is {list(buffers[0].shape)} on {buffers[0].device}")
@@ -129,25 +153,28 @@ def mailbox_table(buffers) -> torch.Tensor:
 
 
 def new_error_record(device) -> torch.Tensor:
-    """A cleared error record: int32 [2] = (bitmask of missing ranks, parity + 1)."""
+    """A cleared error record: int32 [2] = (bitmask of missing ranks, bitmask of the
+    places that timed out: bit p for mailbox parity p, bits ``TAIL_LATENT`` and
+    ``TAIL_HIDDEN`` for the tail rows)."""
     return torch.zeros(2, dtype=torch.int32, device=device)
 
 
 def check_mailbox_error(error: torch.Tensor, context: str = "") -> None:
-    """Raise RuntimeError naming the mailbox parity and the ranks a poll timed out on, if
-    the record ``error`` (int32 [2]) is set; the record is cleared first. Reads the
-    record on the host (a device sync)."""
+    """Raise RuntimeError naming the places (mailbox parity, tail rows) and the ranks a
+    poll timed out on, if the record ``error`` (int32 [2]) is set; the record is cleared
+    first. Reads the record on the host (a device sync)."""
     check_tensor("error", error, torch.int32, (2,))
-    mask, parity_plus_one = (int(v) for v in error.tolist())
-    if mask == 0 and parity_plus_one == 0:
+    mask, places = (int(v) for v in error.tolist())
+    if mask == 0 and places == 0:
         return
     error.zero_()
     ranks = [r for r in range(MAX_WORLD) if (mask >> r) & 1]
     where = f" in {context}" if context else ""
+    named = ", ".join(PLACES.get(p, f"place {p}") for p in range(MAX_WORLD) if (places >> p) & 1)
     raise RuntimeError(
-        f"wide_moe_triton: mailbox poll timed out{where}: mailbox parity {parity_plus_one - 1} "
-        f"still empty in the columns of rank(s) {ranks} (they never published this call); "
-        "the results of this call are invalid")
+        f"wide_moe_triton: mailbox poll timed out{where}: {named} still empty in the "
+        f"columns of rank(s) {ranks} (they never published this call); the results of "
+        "this call are invalid")
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -190,14 +217,15 @@ def poll(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity,
 
 @triton.jit
 def record_missing(error_ptr, empty, column, per_rank, parity):
-    """OR ``1 << owner`` of every still-empty word into error[0] and set error[1] to
-    parity + 1; nothing when no word is empty. A word's owner is the rank of its
+    """OR ``1 << owner`` of every still-empty word into error[0] and ``1 << parity`` (the
+    place: a mailbox parity or ``TAIL_LATENT``/``TAIL_HIDDEN``) into error[1]; nothing
+    when no word is empty. A word's owner is the rank of its
     ``column`` (same shape as ``empty``), ``per_rank`` columns a rank: divided here, on
     the timeout path only, not on every poll."""
     if tl.max(empty.to(tl.int32)) != 0:
         owner = column // per_rank
         tl.atomic_or(error_ptr + tl.zeros_like(owner), 1 << owner, mask=empty, sem="relaxed")
-        tl.atomic_xchg(error_ptr + 1, parity + 1, sem="relaxed")
+        tl.atomic_or(error_ptr + 1, 1 << parity, sem="relaxed")
 
 
 @triton.jit
@@ -319,3 +347,116 @@ def publish(front: torch.Tensor, table: torch.Tensor, rank: int, world: int,
                           experts_per_rank, latent_per_rank, latent, row_stride,
                           wide_rows * row_stride, BLOCK_T=cfg["BLOCK_T"],
                           BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+
+
+# ----------------------------------------------------------------------------- tail rows
+
+class TailDims(NamedTuple):
+    """The sizes that fix a tail buffer's shape ``[wide_rows, world, latent + hidden]``."""
+
+    wide_rows: int
+    world: int
+    latent: int
+    hidden: int
+
+    @property
+    def columns(self) -> int:
+        return self.latent + self.hidden
+
+
+class TailRegion(NamedTuple):
+    """Where one all-reduce's partials sit in a slot: ``width`` columns from ``column``;
+    ``place``: its bit in the error record."""
+
+    column: int
+    width: int
+    place: int
+
+
+def tail_dims(cfg) -> TailDims:
+    """``TailDims`` of a ``WideMoEConfig`` (world = cfg.tp)."""
+    dims = TailDims(cfg.wide_rows, cfg.tp, cfg.latent, cfg.hidden)
+    for name, value in dims._asdict().items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if dims.world > MAX_WORLD:
+        raise ValueError(f"world must be at most {MAX_WORLD}, got {dims.world}")
+    return dims
+
+
+def tail_region(dims: TailDims, which: str) -> TailRegion:
+    """The region of the ``"latent"`` or the ``"hidden"`` all-reduce."""
+    if which == "latent":
+        return TailRegion(0, dims.latent, TAIL_LATENT)
+    if which == "hidden":
+        return TailRegion(dims.latent, dims.hidden, TAIL_HIDDEN)
+    raise ValueError(f"which must be 'latent' or 'hidden', got {which!r}")
+
+
+def empty_tail(cfg, device) -> torch.Tensor:
+    """A fresh tail buffer of ``cfg``'s dims: int16 ``[wide_rows, T, L + H]``, all empty."""
+    d = tail_dims(cfg)
+    return arm_tail(torch.empty((d.wide_rows, d.world, d.columns), dtype=torch.int16,
+                                device=device))
+
+
+def arm_tail(buffer: torch.Tensor) -> torch.Tensor:
+    """Fill a tail buffer (e.g. one from symmetric memory) with the sentinel, in place;
+    returns it."""
+    check_tail("buffer", buffer)
+    return buffer.fill_(SENTINEL_BF16)
+
+
+def check_tail(name: str, buffer, dims: TailDims | None = None) -> None:
+    """Raise unless ``buffer`` is a contiguous int16 ``[rows, world, columns]`` tensor (of
+    ``dims``' shape when given)."""
+    shape = (None, None, None) if dims is None else (dims.wide_rows, dims.world, dims.columns)
+    check_tensor(name, buffer, torch.int16, shape)
+
+
+def tail_table(buffers) -> torch.Tensor:
+    """int64 ``[T]`` of the tail buffers' data pointers, rank order (as ``mailbox_table``)."""
+    return _pointer_table(buffers, check_tail, "tail")
+
+
+@triton.jit
+def _publish_partial_kernel(src_ptr, src_stride, table_ptr, rank, world, rows, width,
+                            column, row_stride, slot_stride,
+                            BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (t[:, None] < rows) & (c[None, :] < width)
+    half = tl.load(src_ptr + t[:, None].to(tl.int64) * src_stride + c[None, :], mask=mask,
+                   other=0)
+    half = tl.where(half == EMPTY_HALF, 0, half).to(tl.int16)  # -0 goes out as +0
+    at = t[:, None].to(tl.int64) * row_stride + (rank * slot_stride + column + c[None, :])
+    # One peer after another: multicast is not assumed.
+    for d in range(world):
+        base = tl.load(table_ptr + d)
+        tl.store(base.to(tl.pointer_type(tl.int16)) + at, half, mask=mask)
+
+
+def publish_partial(partial: torch.Tensor, table: torch.Tensor, rank: int, dims: TailDims,
+                    which: str, *, config: dict | None = None) -> None:
+    """Write this rank's BF16 ``partial`` [b, width] (``which`` = "latent": width L,
+    "hidden": width H; rows of stride(1) == 1) into slot ``rank`` of rows 0..b-1 of every
+    rank's tail buffer (``table``: ``tail_table``, buffers of ``dims``), each peer in
+    turn; a -0 is written as +0, so a published value never equals the sentinel."""
+    _check_rank(rank, dims.world)
+    region = tail_region(dims, which)
+    check_tensor("partial", partial, torch.bfloat16, (None, region.width), contiguous=False)
+    if partial.stride(1) != 1:
+        raise ValueError("partial must have contiguous rows (stride 1 along its last dim)")
+    rows = partial.shape[0]
+    if rows > dims.wide_rows:
+        raise ValueError(f"partial has {rows} rows, more than wide_rows ({dims.wide_rows})")
+    check_tensor("table", table, torch.int64, (dims.world,), partial.device)
+    if rows == 0:
+        return
+    cfg = config or config_for(TAIL_KERNEL, f"N{region.width}_T{dims.world}", rows,
+                               TAIL_DEFAULT, partial.device)
+    grid = (triton.cdiv(rows, cfg["BLOCK_T"]), triton.cdiv(region.width, cfg["BLOCK_C"]))
+    _publish_partial_kernel[grid](
+        partial.view(torch.int16), partial.stride(0), table, rank, dims.world, rows,
+        region.width, region.column, dims.world * dims.columns, dims.columns,
+        BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
