@@ -342,3 +342,16 @@ def test_main_command_on_a_checkpoint(ckpt, capsys):
                              CFG.routed_scaling_factor)
     touched = len(torch.unique(ids))
     assert f"experts touched {touched} of {CFG.num_experts}" in out
+
+
+def test_shards_go_to_their_own_ranks(ckpt):
+    parts = [checkpoint.load_layer(ckpt, LAYER, tp=2, rank=r) for r in range(2)]
+    with pytest.raises(ValueError, match="holds rank 1 of 2's shard, not rank 0 of 2's"):
+        SimulatedGroup(parts[::-1])
+    with pytest.raises(ValueError, match="holds rank 0 of 2's shard, not rank 0 of 1's"):
+        WideMoE.from_module(parts[0])
+    with pytest.raises(ValueError, match="world = 3 for 2"):
+        SimulatedGroup(parts, 3)
+    whole = checkpoint.load_layer(ckpt, LAYER)
+    mixed = SimulatedGroup([parts[0], whole])  # rank 1 cut from the whole layer
+    assert torch.equal(mixed.ranks[1].shared_down, parts[1].shared_down)

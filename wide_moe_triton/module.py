@@ -253,7 +253,8 @@ class WideMoE(nn.Module):
                       if torch.cuda.is_available() else torch.device("cpu"))
         stock = checkpoint.load_layer(path, layer, tp=world, rank=rank, device=device,
                                       wide_rows=wide_rows, prefix=prefix)
-        return cls.from_module(stock, group, scratch=scratch, device=device,
+        # The weights' device names its index ("cuda" -> "cuda:0"), as inputs' devices do.
+        return cls.from_module(stock, group, scratch=scratch, device=stock.gate_weight.device,
                                all_reduce=all_reduce)
 
     # -- the stages, in call order; ``SimulatedGroup`` runs them rank by rank ----------
