@@ -1,14 +1,6 @@
-"""``python -m wide_moe_triton``: build a layer, run a few batch widths through the stock
-path and through WideMoE, and print how far apart they are and how long each took.
-
-On CPU it uses the tiny config in Triton's interpreter; with a GPU, the production dims
-(Kimi-K3, T = 1) unless ``--tiny``.
-
-With ``--checkpoint DIR --layer N``: that MoE layer of a Kimi-K3 checkpoint instead, on
-unit-RMS rows times the layer's post-attention norm weight (its input's scale in the
-model), through the stock path (the whole layer) and through WideMoE over T simulated
-ranks (``--tp``), each built from its own slices of the checkpoint (only rank R's with
-``--rank R``, the others then cut from the whole layer); plus the routing load."""
+"""The ``wide-moe`` command (``python -m wide_moe_triton``): run the layer beside the stock
+path and print how far apart they are, a line per batch width; or a layer of a Kimi-K3
+checkpoint (``--checkpoint``)."""
 
 from __future__ import annotations
 
@@ -17,19 +9,72 @@ import os
 import sys
 import time
 
+from .cli import invoked_name
 
-def _parse(argv):
-    p = argparse.ArgumentParser(prog="python -m wide_moe_triton", description=__doc__,
+CPU_BATCHES = [1, 16, 64]  # 64: the tiny config's widest step
+GPU_BATCHES = [1, 65, 257, 1024]
+
+DESCRIPTION = f"""\
+Build the MoE layer twice over the same random weights: the stock PyTorch module
+(LatentMoE, the definition) and WideMoE (the Triton kernels), send the same random
+batches through both, and print for each batch width how far WideMoE's output is from
+the stock one's. Exits 0 when every width's relative error is below 1e-2.
+
+Without a GPU it runs the tiny config (hidden 256, 16 experts) and the kernels run in
+Triton's interpreter, as Python on the CPU: under a minute on two cores. With a GPU it
+runs the production dims (Kimi-K3, one rank) unless --tiny.
+
+With --checkpoint DIR --layer N it runs that MoE layer of a Kimi-K3 checkpoint instead,
+on unit-RMS rows times the layer's post-attention norm weight (its input's scale in the
+model): the stock path over the whole layer, WideMoE over --tp simulated ranks, each
+built from its own slices of the checkpoint (only rank R's with --rank R, the others
+then cut from the whole layer); it prints the routing load too.
+
+Columns:
+  b           the batch width (rows); a batch wider than the layer's widest step
+              (64 rows in the tiny config, 1024 in Kimi-K3's) runs in chunks
+  stock s     seconds the stock PyTorch path took for the batch
+  wide s      seconds WideMoE took; on a CPU that is Triton's interpreter running each
+              kernel program as Python, thousands of times slower than the kernels on a
+              GPU: it says nothing of their speed (benchmarks/bench_layer.py does)
+  max |diff|  the largest elementwise difference between the two outputs
+  rel err     ||wide - stock|| / ||stock|| over the batch
+  bitwise     the share of output elements equal bit for bit (the two paths round at
+              the same points and differ only in accumulation order)
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``wide-moe`` (``python -m wide_moe_triton``)."""
+    p = argparse.ArgumentParser(prog=invoked_name("wide_moe_triton"),
+                                description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tiny", action="store_true", help="the tiny config even on a GPU")
-    p.add_argument("--batches", type=int, nargs="+", help="batch widths to run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint", metavar="DIR", help="a Kimi-K3 checkpoint directory")
-    p.add_argument("--layer", type=int, help="the MoE layer of --checkpoint to run")
-    p.add_argument("--tp", type=int, default=1, help="simulated tensor-parallel ranks")
-    p.add_argument("--rank", type=int, help="load only this rank's shard from --checkpoint")
+    p.add_argument("--tiny", action="store_true",
+                   help="run the tiny config even on a GPU (default: the tiny config on "
+                        "CPU, Kimi-K3's dims on a GPU)")
+    p.add_argument("--batches", type=int, nargs="+", metavar="B",
+                   help="batch widths to run (default: "
+                        f"{' '.join(map(str, CPU_BATCHES))} on CPU, 1 5 64 with --checkpoint "
+                        f"on CPU, {' '.join(map(str, GPU_BATCHES))} on a GPU)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the weights and inputs (default: 0)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="run a layer of this Kimi-K3 checkpoint directory, with --layer "
+                        "(default: random weights)")
+    p.add_argument("--layer", type=int, metavar="N",
+                   help="the MoE layer of --checkpoint to run (default: none)")
+    p.add_argument("--tp", type=int, default=1, metavar="T",
+                   help="simulated tensor-parallel ranks for --checkpoint (default: 1)")
+    p.add_argument("--rank", type=int, metavar="R",
+                   help="load only this rank's shard from --checkpoint (default: every "
+                        "rank's)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="--checkpoint's device (default: cuda where there is a GPU)")
+    return p
+
+
+def _parse(argv):
+    p = parser()
     args = p.parse_args(argv)
     if (args.checkpoint is None) != (args.layer is None):
         p.error("--checkpoint and --layer go together")
@@ -65,10 +110,11 @@ def main(argv=None) -> int:
 
     tiny = args.tiny or not cuda
     cfg = WideMoEConfig.tiny() if tiny else WideMoEConfig.kimi_k3(tp=1)
-    batches = args.batches or ([1, 5, 64, 70] if tiny else [1, 65, 257, 1024])
+    batches = args.batches or (CPU_BATCHES if tiny else GPU_BATCHES)
     device = "cuda" if cuda else "cpu"
-    where = torch.cuda.get_device_name() if cuda else "CPU, Triton interpreter"
-    print(f"wide_moe_triton on {where}: {'tiny' if tiny else 'Kimi-K3'} dims {_dims(cfg)}")
+    where = torch.cuda.get_device_name() if cuda else "CPU, kernels in Triton's interpreter"
+    print(f"wide_moe_triton on {where}: {'tiny' if tiny else 'Kimi-K3'} dims {_dims(cfg)}",
+          flush=True)
     stock = LatentMoE(cfg, seed=args.seed, device=device)
     wide = WideMoE.from_module(stock)
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
@@ -80,12 +126,15 @@ def main(argv=None) -> int:
 def _compare(stock, wide, inputs, cuda) -> int:
     """Print, for each input, both paths' times and how far apart their outputs are;
     0 if every relative error is below 1e-2, else 1."""
+    if not cuda:
+        print("wide s is the interpreter's time, not a GPU's (--help explains the columns)")
     print(f"{'b':>6} {'stock s':>9} {'wide s':>9} {'max |diff|':>11} {'rel err':>9} "
-          f"{'bitwise':>8}")
+          f"{'bitwise':>8}", flush=True)
     worst = 0.0
     for x in inputs:
         b = x.shape[0]
-        wide(x)  # compile / warm up
+        if cuda:
+            wide(x)  # compiles the kernels of this width; the interpreter compiles nothing
         ref, t_stock = _timed(stock, x, cuda)
         out, t_wide = _timed(wide, x, cuda)
         diff = (out.float() - ref.float())
@@ -93,7 +142,7 @@ def _compare(stock, wide, inputs, cuda) -> int:
         equal = (out == ref).float().mean().item()
         worst = max(worst, rel)
         print(f"{b:>6} {t_stock:>9.4f} {t_wide:>9.4f} {diff.abs().max().item():>11.3e} "
-              f"{rel:>9.2e} {equal:>7.1%}")
+              f"{rel:>9.2e} {equal:>7.1%}", flush=True)
     ok = worst < 1e-2
     print("OK: WideMoE matches the stock path" if ok else
           f"MISMATCH: relative error {worst:.2e} exceeds 1e-2")
@@ -129,11 +178,11 @@ def run_checkpoint(args) -> int:
                        f"{time.perf_counter() - start:.1f} s")
         group = SimulatedGroup(per_rank)
         wide = lambda x: group(x)[0]  # noqa: E731  (every rank's output is the same)
-    where = torch.cuda.get_device_name() if cuda else "CPU, Triton interpreter"
+    where = torch.cuda.get_device_name() if cuda else "CPU, kernels in Triton's interpreter"
     print(f"wide_moe_triton on {where}: {args.checkpoint} layer {args.layer}, T = {T}: "
-          f"{_dims(cfg)}")
+          f"{_dims(cfg)}", flush=True)
     print(f"loaded: {loaded}")
-    batches = args.batches or ([1, 65, 257, 1024] if cuda else [1, 5, 64])
+    batches = args.batches or (GPU_BATCHES if cuda else [1, 5, 64])
     gen = torch.Generator(device=device).manual_seed(args.seed + 1)
     inputs = [checkpoint.layer_inputs(args.checkpoint, args.layer, b, generator=gen,
                                       device=device) for b in batches]

@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from . import mx, reference, tuning
+from .cli import invoked_name
 from .config import WideMoEConfig
 
 BUCKETS = (1, 16, 64, 128, 256, 512, 1024)
@@ -59,6 +60,9 @@ QUICK_KERNEL_BUDGET = 60  # s of timing a kernel's candidates may take under --q
 # NOTES: Machine and floors), so single timings rank close configs by when
 # they ran.
 FINALISTS, ROUNDS = 3, 3
+# The names ``cases`` tunes (``--kernels`` takes some of them), in the order it yields them.
+KERNELS = ("front", "route", "plan", "route_plan", "experts_up", "experts_down", "finalize",
+           "rms_norm", "shared_gate_up", "shared_down", "latent_up")
 
 
 class Case:
@@ -861,42 +865,96 @@ def gains_report(done: dict, title: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wide_moe_triton.tune", description=__doc__,
+DESCRIPTION = f"""\
+Tune the layer's Triton kernels for the GPU at hand. For every kernel (routing, the
+MXFP8 plan, the experts' two launches, finalize, the front GEMM and the dense linears of
+the shared expert and the tail), at the rank-local shapes of Kimi-K3 for each
+tensor-parallel degree of --tp and at each batch width of --batches, it tries launch
+configs (tile sizes, warps, pipeline stages, how the reduction is split), checks each
+one's output against the reference on poisoned buffers (a wrong config is never chosen),
+times those that pass, and keeps the fastest; at the end each point's fastest few and
+the default are timed again in interleaved rounds and the least median wins.
+
+How long: with --quick (widths {" ".join(map(str, QUICK_BUCKETS))}, a few candidates a
+point) --tp 8 16 1 took 160-230 s on an H200. Without --quick it sweeps every width of
+{" ".join(map(str, BUCKETS))} and more candidates a point: longer (not measured). A
+progress line (a bar with tqdm installed) shows the kernel and width being swept;
+--time-limit bounds the sweep; an interrupted sweep resumes from <table>.partial.json.
+
+Where it writes: autotune_configs/<GPU name>.json (the table the layer reads on this
+GPU; --out to write elsewhere) and beside it <GPU name>.md, each tuned config against
+the default at every point with their times. A sweep of some kernels (--kernels) folds
+into the table already there; a sweep of every kernel writes it anew.
+
+Examples:
+  %(prog)s --quick --tp 8 16 1
+  %(prog)s --tp 8 16 1 --batches 1 16 64 128 256 512 1024
+  %(prog)s --quick --kernels front latent_up
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``wide-moe-tune`` (``python -m wide_moe_triton.tune``)."""
+    p = argparse.ArgumentParser(prog=invoked_name("wide_moe_triton.tune"),
+                                description=DESCRIPTION,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, nargs="+", default=[8, 16, 1])
-    p.add_argument("--batches", type=int, nargs="+")
-    p.add_argument("--kernels", nargs="+", help="only these kernels (default: all)")
-    p.add_argument("--experts-layout",
-                   help="the experts' weight layout to tune, one of experts.LAYOUTS "
-                        "(default: the one this GPU stores them in, experts.default_layout); "
-                        "each layout has its own table entries")
+    p.add_argument("--tp", type=int, nargs="+", default=[8, 16, 1], metavar="T",
+                   help="tensor-parallel degrees whose rank-local shapes are tuned "
+                        "(default: 8 16 1)")
+    p.add_argument("--batches", type=int, nargs="+", metavar="B",
+                   help="batch-width buckets to tune (default: "
+                        f"{' '.join(map(str, BUCKETS))}; with --quick "
+                        f"{' '.join(map(str, QUICK_BUCKETS))})")
+    p.add_argument("--kernels", nargs="+", metavar="KERNEL", choices=KERNELS,
+                   help=f"tune only these kernels, of {', '.join(KERNELS)}; folded into "
+                        "the table at --out (default: every kernel, the table written anew)")
+    p.add_argument("--experts-layout", metavar="LAYOUT",
+                   help="the experts' weight layout to tune: wgmma_decode, wgmma or nk "
+                        "(default: the one this GPU stores them in, wgmma_decode on "
+                        "Hopper, nk elsewhere); each layout has its own table entries")
     p.add_argument("--quick", action="store_true",
-                   help=f"buckets {QUICK_BUCKETS}; the default, priors and neighbours (3 random "
+                   help=f"a short sweep: buckets {' '.join(map(str, QUICK_BUCKETS))}; the "
+                        f"default, known good configs and their neighbours (3 random "
                         f"configs more for the cheap kernels; {QUICK_REDUCTIONS}+ reduction "
                         f"settings for the front GEMMs), {QUICK_REP_MS} ms a measurement, "
-                        f"{QUICK_KERNEL_BUDGET} s a kernel at most")
-    p.add_argument("--candidates", type=int,
-                   help="random configs a point besides the neighbours (default: all)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fresh", action="store_true", help="ignore a .partial file")
-    p.add_argument("--out", help="output JSON (default autotune_configs/<GPU>.json); the "
-                                 "tuned-vs-default report goes beside it as .md")
+                        f"{QUICK_KERNEL_BUDGET} s a kernel at most (default: off)")
+    p.add_argument("--candidates", type=int, metavar="N",
+                   help="random configs a point besides the neighbours (default: every "
+                        "config of the kernel's space)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the random candidates and test data (default: 0)")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over, ignoring the .partial.json an interrupted sweep left "
+                        "(default: resume from it)")
+    p.add_argument("--out", metavar="PATH",
+                   help="the table to write (default: autotune_configs/<GPU name>.json); "
+                        "the report goes beside it as .md")
     p.add_argument("--workers", type=int, default=min(16, len(os.sched_getaffinity(0))),
-                   help="compile threads (1: compile each config when first timed)")
-    p.add_argument("--time-limit", type=float,
-                   help="seconds: start no kernel after this; write what is done")
-    p.add_argument("--kernel-budget", type=float,
-                   help=f"seconds of timing a kernel's candidates (default: "
-                        f"{QUICK_KERNEL_BUDGET} under --quick, else none)")
-    p.add_argument("--finalists", type=int, default=FINALISTS,
-                   help=f"the sweep's fastest configs a point timed again beside the default "
-                        f"(default {FINALISTS})")
-    p.add_argument("--rounds", type=int, default=ROUNDS,
-                   help=f"interleaved rounds of that final timing; the median decides "
-                        f"(default {ROUNDS})")
+                   metavar="N",
+                   help="threads compiling candidates ahead of timing; 1 compiles each "
+                        "config when first timed (default: this machine's cores, at most "
+                        "16: %(default)s)")
+    p.add_argument("--time-limit", type=float, metavar="S",
+                   help="start no kernel after S seconds and write the table of what is "
+                        "done (default: no limit)")
+    p.add_argument("--kernel-budget", type=float, metavar="S",
+                   help=f"seconds of timing a kernel's candidates may take (default: "
+                        f"{QUICK_KERNEL_BUDGET} under --quick, else no limit)")
+    p.add_argument("--finalists", type=int, default=FINALISTS, metavar="N",
+                   help=f"the sweep's fastest configs at each point timed again beside the "
+                        f"default (default: {FINALISTS})")
+    p.add_argument("--rounds", type=int, default=ROUNDS, metavar="N",
+                   help=f"interleaved rounds of that final timing; the least median wins "
+                        f"(default: {ROUNDS})")
     p.add_argument("--dry-run", action="store_true",
-                   help="tiny dims in Triton's interpreter: exercise the sweep, time nothing")
+                   help="no GPU needed: tiny dims in Triton's interpreter, to exercise the "
+                        "sweep; times nothing (default: off; writes "
+                        "autotune_configs/dry-run.json unless --out)")
+    return p
+
+
+def main(argv=None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.finalists < 1 or args.rounds < 1:
         p.error(f"--finalists and --rounds must be >= 1, got {args.finalists} and "
