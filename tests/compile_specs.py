@@ -12,8 +12,10 @@ Prints one JSON line last: {"compiled": n, "failures": ["kernel sm_X {...}: erro
 Must run without TRITON_INTERPRET, so that ``triton.jit`` builds compilable functions."""
 import importlib
 import json
+import multiprocessing
 import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -46,26 +48,36 @@ def register_hazards(kernel) -> tuple[str | None, int]:
             f"{found[0].writer!r} over {found[0].mma!r} ({found[0].where})"), register_mmas
 
 
+def compile_job(job) -> tuple[str, int, str | None]:
+    """Compile one (spec, capability): (kernel name, register-operand MMAs in its sm_90
+    SASS, a failure line or None)."""
+    spec, capability = job
+    name = spec["kernel"]
+    what = {k: spec[k] for k in ("constexprs", "per_target", "options") if k in spec}
+    try:
+        kernel = compile_spec(spec, capability)
+        if capability // 10 != HOPPER:
+            return name, 0, None
+        hazard, mmas = register_hazards(kernel)
+        return name, mmas, hazard and f"{name} sm_{capability} {what}: {hazard}"
+    except Exception as e:  # every failure is reported, none stops the others
+        return name, 0, f"{name} sm_{capability} {what}: {type(e).__name__}: {str(e)[-1500:]}"
+
+
 def main(path: str) -> None:
     assert "TRITON_INTERPRET" not in os.environ, "run without TRITON_INTERPRET"
     todo = json.loads(open(path).read())
-    compiled, failures, register_mmas = 0, [], {}
-    for spec in todo["specs"]:
-        for capability in todo["targets"]:
-            what = {k: spec[k] for k in ("constexprs", "per_target", "options") if k in spec}
-            try:
-                kernel = compile_spec(spec, capability)
-                if capability // 10 == HOPPER:
-                    hazard, mmas = register_hazards(kernel)
-                    name = spec["kernel"]
-                    register_mmas[name] = register_mmas.get(name, 0) + mmas
-                    if hazard:
-                        failures.append(f"{name} sm_{capability} {what}: {hazard}")
-            except Exception as e:  # every failure is reported, none stops the others
-                failures.append(f"{spec['kernel']} sm_{capability} {what}: "
-                                f"{type(e).__name__}: {str(e)[-1500:]}")
-            compiled += 1
-    print(json.dumps({"compiled": compiled, "failures": failures,
+    jobs = [(spec, capability) for spec in todo["specs"] for capability in todo["targets"]]
+    # One compile a core: each is a single-threaded pass pipeline plus ptxas. Forked
+    # before any compile, so the workers share only the imports.
+    workers = min(len(jobs), len(os.sched_getaffinity(0))) or 1
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        done = list(pool.map(compile_job, jobs))
+    failures = [failure for _, _, failure in done if failure]
+    register_mmas = {}
+    for name, mmas, _ in done:
+        register_mmas[name] = register_mmas.get(name, 0) + mmas
+    print(json.dumps({"compiled": len(done), "failures": failures,
                       "register_mmas": register_mmas}))
 
 
