@@ -85,6 +85,7 @@ def test_one_rank_equals_stock(stock, wide, b, seed):
     assert int(wide.scratch.error.abs().sum()) == 0
 
 
+@pytest.mark.slow  # whole layers, several calls each
 @pytest.mark.parametrize("world", [2, 4])
 @given(b=st.integers(1, 24), seed=st.integers(0, 2 ** 16))
 @settings(max_examples=3)
@@ -148,18 +149,29 @@ def test_negative_zero_inputs_publish_and_do_not_hang(stock, wide):
     assert_mailbox_empty(wide.scratch)
 
 
-def test_empty_and_chunked_batches(stock, wide):
+# Narrow steps, so that a batch of a few rows already runs as several calls.
+CFG_NARROW = CFG.replace(wide_rows=16)
+
+
+@pytest.fixture(scope="module")
+def stock16():
+    return LatentMoE(CFG_NARROW, seed=0, device=DEVICE)
+
+
+def test_empty_and_chunked_batches(stock16):
+    wide = WideMoE.from_module(stock16)
+    step = CFG_NARROW.wide_rows
     assert wide(inputs(0, 1)).shape == (0, CFG.hidden)
-    x = inputs(CFG.wide_rows * 2 + 3, 11)
+    x = inputs(step * 2 + 3, 11)  # two whole steps and a partial one
     out = wide(x)
     flipped = []
-    for i in range(0, x.shape[0], CFG.wide_rows):
-        chunk = x[i:i + CFG.wide_rows]
+    for i in range(0, x.shape[0], step):
+        chunk = x[i:i + step]
         wide(chunk)  # leaves this chunk's plan in the scratch
-        flipped.append(plan_flips(stock, chunk, wide.scratch))
-    assert_close_to_stock(out, stock(x), torch.cat(flipped))
+        flipped.append(plan_flips(stock16, chunk, wide.scratch))
+    assert_close_to_stock(out, stock16(x), torch.cat(flipped))
     # a chunk's rows equal the same rows run alone: chunking changes nothing
-    assert torch.equal(out[CFG.wide_rows:CFG.wide_rows + 3], wide(x[CFG.wide_rows:CFG.wide_rows + 3]))
+    assert torch.equal(out[step:step + 3], wide(x[step:step + 3]))
 
 
 # ------------------------------------------------------------------------- invariance
@@ -223,7 +235,8 @@ def rows_alone_in_65_and_in_all(wide, x, row):
 
 def assert_batch_invariant(wide, x, row, mp):
     """Row ``row`` alone, inside 65 rows and inside wide_rows rows has the same bits (and
-    so do all 65 rows between the last two), every GEMM with one reduction order."""
+    so do all 65 rows between the last two), every GEMM with one reduction order.
+    Returns the output of all of ``x``, the layer's last call."""
     spy = ReductionSpy(front_k._front_kernel)
     mp.setattr(front_k, "_front_kernel", spy)
     alone, in_65, in_all = rows_alone_in_65_and_in_all(wide, x, row)
@@ -231,8 +244,10 @@ def assert_batch_invariant(wide, x, row, mp):
     bits = lambda t: t.view(torch.int16)  # noqa: E731
     assert torch.equal(bits(alone), bits(in_65[row:row + 1]))
     assert torch.equal(bits(in_65), bits(in_all[:65]))
+    return in_all
 
 
+@pytest.mark.slow  # whole layers, several calls each
 @given(row=st.integers(0, 64), seed=st.integers(0, 2 ** 16))
 @settings(max_examples=3)
 def test_batch_invariance(stock96, row, seed):
@@ -243,11 +258,11 @@ def test_batch_invariance(stock96, row, seed):
         mp.setattr(front_k, "config_for", disagreeing_table)
         wide = WideMoE.from_module(stock96)
         forbid_blas(mp)
-        assert_batch_invariant(wide, x, row, mp)
-    out = wide(x)
+        out = assert_batch_invariant(wide, x, row, mp)
     assert_close_to_stock(out, stock96(x), plan_flips(stock96, x, wide.scratch))
 
 
+@pytest.mark.slow  # whole layers, several calls each
 def test_batch_invariance_check_catches_a_width_dependent_order(stock96):
     # The check above fails if any linear's reduction order follows the batch width
     # (here: the tuned table's, unpinned), even where the BF16 outputs happen to agree.
@@ -270,6 +285,7 @@ CHEAP = {"route_plan": dict(BLOCK_T=16, CANDIDATES=4, num_warps=16, ZERO_BLOCK=1
          tail_k.KERNEL: dict(BLOCK_T=16, num_warps=16)}
 
 
+@pytest.mark.slow  # whole layers, several calls each
 @pytest.mark.parametrize("world", [2, 4])
 @given(row=st.integers(0, 64), seed=st.integers(0, 2 ** 16))
 @settings(max_examples=1)
@@ -288,6 +304,7 @@ def test_batch_invariance_across_ranks(stock96, world, row, seed):
     assert_close_to_stock(in_all[0], stock96(x), plan_flips(stock96, x, group.ranks[0].scratch))
 
 
+@pytest.mark.slow  # whole layers, several calls each
 def test_determinism(wide):
     x = inputs(CFG.wide_rows, 3)
     assert torch.equal(wide(x), wide(x))
