@@ -24,15 +24,20 @@ settings.register_profile("gpu", max_examples=60, deadline=None, print_blob=True
 settings.register_profile(
     "gpu-check", max_examples=4, deadline=None, derandomize=True, database=None,
     print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# While working, in the interpreter: a few fresh examples a test, the quick tier
+# (HYPOTHESIS_PROFILE=dev pytest -m "not slow"); CI runs the "ci" profile, every test.
+settings.register_profile(
+    "dev", max_examples=3, deadline=None, derandomize=False, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
                                      "gpu" if torch.cuda.is_available() else "ci"))
-QUICK = os.environ.get("HYPOTHESIS_PROFILE") == "gpu-check"
+QUICK = os.environ.get("HYPOTHESIS_PROFILE") in ("gpu-check", "dev")
 
 
 def examples(at_least: int) -> int:
     """A test's example count: the profile's, raised to ``at_least`` for tests whose
     inputs space needs more (routing ties, mailbox parities), except in the quick GPU
-    check, where every test runs the profile's few."""
+    check and the quick tier ("dev"), where every test runs the profile's few."""
     return settings().max_examples if QUICK else max(settings().max_examples, at_least)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

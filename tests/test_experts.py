@@ -370,6 +370,7 @@ DOWN_CONFIGS = [dict(BLOCK_M=m, BLOCK_N=n, A_BF16=a, num_warps=w, num_stages=s, 
                                          (64, 128, 1, 4, 4, 96))]
 
 
+@pytest.mark.slow  # every config and layout
 @settings(max_examples=FEW)
 @given(case=cases, inter=st.sampled_from(INTERS), up=st.sampled_from(UP_CONFIGS),
        down=st.sampled_from(DOWN_CONFIGS), layout=st.sampled_from(ex.LAYOUTS))
@@ -387,6 +388,7 @@ def test_config_and_layout_do_not_change_bits(case, inter, up, down, layout):
     assert base.same_bits(other), f"bits changed with {up}, {down}, layout {layout}"
 
 
+@pytest.mark.slow  # two experts calls an example
 @settings(max_examples=FEW)
 @given(case=cases, inter=st.sampled_from(INTERS), cols=st.sampled_from([1, 2, 4, 8]),
        block_n=st.sampled_from([64, 128]), mask_up=st.booleans(), mask_down=st.booleans())
@@ -413,6 +415,7 @@ def test_down_columns_and_masked_rows_keep_bits(case, inter, cols, block_n, mask
 HALF_COUNTS = st.sampled_from([16, 17, 32, 33, 48, 49]) | st.integers(1, WIDE_ROWS)
 
 
+@pytest.mark.slow  # two experts calls an example
 @settings(max_examples=FEW)
 @given(count=HALF_COUNTS, seed=seeds, inter=st.sampled_from(INTERS), cols=st.sampled_from([1, 4]),
        mask=st.booleans())
@@ -433,6 +436,7 @@ def test_half_tiles_keep_bits(count, seed, inter, cols, mask):
     assert narrow.same_bits(halved)
 
 
+@pytest.mark.slow  # two experts calls an example
 @settings(max_examples=FEW)
 @given(case=cases, inter=st.sampled_from([128, 192]), block_m=st.sampled_from([16, 32]),
        block_n=st.sampled_from([64, 128]), mask=st.booleans())
@@ -446,7 +450,7 @@ def test_tma_weights_keep_bits(case, inter, block_m, block_n, mask):
     q, qs = make_plan(b, seed)
     up = dict(BLOCK_M=block_m, BLOCK_N=block_n, A_BF16=1, num_warps=4, num_stages=3,
               maxnreg=0, MASK_ROWS=int(mask))
-    down = dict(BLOCK_M=16, BLOCK_N=64, A_BF16=1, num_warps=4, num_stages=3, maxnreg=0)
+    down = dict(FAST_DOWN, A_BF16=1)  # the same in both runs: wide tiles, the fastest here
     copies = launch(q, qs, ids, inter, layout="wgmma_decode", config_up=up, config_down=down)
     tma = launch(q, qs, ids, inter, layout="wgmma_decode", config_up=dict(up, TMA=1),
                  config_down=down)
@@ -482,6 +486,7 @@ def test_a_bf16_variants_are_bitwise_identical():
     assert runs[0].same_bits(runs[1])
 
 
+@pytest.mark.slow  # three experts calls an example
 @settings(max_examples=FEW)
 @given(case=cases, inter=st.sampled_from(INTERS), raised=st.integers(8, 40))
 @example(case=("hot", BM + 1, 10), inter=32, raised=40)
@@ -504,7 +509,7 @@ def test_decode_layout_with_wide_scales_matches_dot_scaled_bits(case, inter, rai
         weights = ex.prepare_weights(*(t.to(DEVICE) for t in stock), layout=layout)
         counts, pairs, gen_t = ex.routing_lists(ids.to(DEVICE), E, WIDE_ROWS)
         rows = poison(torch.empty(b * K, L, dtype=torch.bfloat16, device=DEVICE))
-        up, down = configs((1, 1))
+        up, down = configs((1, 1), wide=True)  # the same tiles for every layout
         with pytest.MonkeyPatch.context() as patch:
             if staged is not None:
                 patch.setattr(ex, "staged_dot", lambda device: staged)

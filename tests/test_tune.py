@@ -488,7 +488,7 @@ def test_changed_keys_lists_exactly_the_keys_that_differ(config, default):
         assert int(v) == config[k] and was == (f"({default[k]})" if k in default else "(unset)")
 
 
-@given(st.sampled_from(["wgmma", "wgmma_decode", "nk"]), st.sampled_from([1, 65]))
+@given(st.sampled_from(["wgmma", "wgmma_decode", "nk"]), st.sampled_from([1, 9]))
 def test_experts_cases_tune_the_layout_asked_for(layout, b):
     """``--experts-layout``: the experts are prepared in that layout, and their cases
     carry its table key and its configs (BF16 activations only for "wgmma_decode")."""
@@ -511,6 +511,7 @@ def test_experts_cases_tune_the_layout_asked_for(layout, b):
     assert all(c["A_BF16"] for c in got[ex.KERNEL_UP].space) == (layout == "wgmma_decode")
 
 
+@pytest.mark.slow  # a sweep in the interpreter, in a subprocess
 @pytest.mark.skipif(_triton_version() < (3, 9), reason="--dry-run runs Triton's interpreter, "
                     "whose 3.9 the package pins (older ones lack what the experts use)")
 def test_cli_dry_run_tunes_the_experts_layout_asked_for(tmp_path):
@@ -570,6 +571,7 @@ def _stub_every_kernel(monkeypatch) -> None:
                 monkeypatch.setattr(module, name, NoOp())
 
 
+@pytest.mark.slow  # every kernel's default run and checked, twice
 @given(st.sampled_from([1, 5]))
 def test_a_config_that_writes_nothing_fails_its_check(b):
     """Every case's default passes its check; with every kernel launching nothing, every
