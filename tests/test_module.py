@@ -334,7 +334,6 @@ def fresh_output(stock):
     (lambda x: x.float(), "bfloat16"),
     (lambda x: x[:, :-32], str(CFG.hidden)),
     (lambda x: x[None], "shape"),
-    (lambda x: x.t().contiguous().t(), "contiguous"),
     (lambda x: "not a tensor", "Tensor"),
     (lambda x: x.to("meta"), "x is on meta"),  # a device other than the module's, on CPU too
 ])

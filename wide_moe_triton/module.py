@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .checks import check_tensor
+from .checks import check_input, check_tensor
 from .config import WideMoEConfig
 from .kernels import experts as experts_k
 from .kernels import finalize as finalize_k
@@ -87,6 +87,7 @@ class WideScratch:
         self.hidden = experts_k.make_workspace(R, K, L, cfg.intermediate_per_rank, dev)
         self.rows = empty(R * K, L, dtype=torch.bfloat16)
         self.latent_out = empty(R, L, dtype=torch.bfloat16)
+        self.normed = empty(R, L, dtype=torch.bfloat16)
         self.shared_hidden = empty(R, cfg.shared_per_rank, dtype=torch.bfloat16)
         # Split-K partials of the GEMMs, one buffer per stream that runs them (they may
         # run concurrently), each sized once for every width (graph-safe).
@@ -198,6 +199,8 @@ class WideMoE(nn.Module):
         self.register_buffer("packed", front_k.pack_front(
             weights.gate_weight, weights.latent_down, 0, 1))
         self.register_buffer("bias", weights.bias)
+        # One LaunchPlan a batch width, built on the first call of that width.
+        self._plans: dict[int, LaunchPlan] = {}
         self.experts = experts_k.prepare_weights(weights.w13, weights.w13_scales, weights.w2,
                                                  weights.w2_scales)
         self.register_buffer("norm_weight", weights.norm_weight)
@@ -209,6 +212,7 @@ class WideMoE(nn.Module):
         self.register_buffer("shared_down", weights.shared_down)
         self.columns = slice(self.rank * cfg.hidden_per_rank,
                              (self.rank + 1) * cfg.hidden_per_rank)
+        self._context = f"rank {self.rank} of {self.world}"
 
     @classmethod
     def from_module(cls, stock: reference.LatentMoE, group=None, *,
@@ -257,44 +261,71 @@ class WideMoE(nn.Module):
         return cls.from_module(stock, group, scratch=scratch, device=stock.gate_weight.device,
                                all_reduce=all_reduce)
 
-    # -- the stages, in call order; ``SimulatedGroup`` runs them rank by rank ----------
+    @property
+    def experts(self) -> experts_k.ExpertWeights:
+        """The routed experts' weights (``experts.prepare_weights``)."""
+        return self._experts
 
-    def _check_input(self, x) -> None:
-        check_tensor("x", x, torch.bfloat16, (None, self.cfg.hidden))
-        if x.device != self.device:
-            raise ValueError(f"x is on {x.device} but this WideMoE lives on {self.device}")
+    @experts.setter
+    def experts(self, weights: experts_k.ExpertWeights) -> None:
+        # The launch plans bind the weights: new weights, new plans.
+        self._experts = weights
+        self._plans.clear()
+
+    # -- the stages, in call order; ``SimulatedGroup`` runs them rank by rank ----------
+    # Each public stage checks its arguments and runs its ``_stage`` twin, which takes
+    # checked tensors and the ``LaunchPlan`` of their batch width (what ``forward`` calls).
+
+    def plan(self, b: int) -> "LaunchPlan":
+        """The ``LaunchPlan`` of a call of ``b`` rows (1 <= b <= wide_rows), built on first
+        use and kept: the tuned table is read once, a change on disk after that is not
+        seen."""
+        plan = self._plans.get(b)
+        if plan is None:
+            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= self.cfg.wide_rows:
+                raise ValueError(f"a stage of this layer takes 1 to wide_rows = "
+                                 f"{self.cfg.wide_rows} rows, got {b!r}")
+            plan = self._plans[b] = LaunchPlan(self, b)
+        return plan
+
+    def _checked(self, x) -> tuple[torch.Tensor, "LaunchPlan"]:
+        x = check_input(x, self.cfg.hidden, self.device)
+        return x, self.plan(x.shape[0])
 
     def publish(self, x: torch.Tensor) -> None:
         """Front GEMM of this rank's rows and publish into every rank's mailbox."""
-        s, b = self.scratch, x.shape[0]
-        front = s.front[:b]
-        front_k.front_gemm(x, self.packed, out=front, workspace=s.front_workspace)
-        mailbox_k.publish(front, s.table, self.rank, self.world, s.lists.generation,
-                          self.cfg.latent, self.cfg.num_experts, wide_rows=self.cfg.wide_rows)
+        x, plan = self._checked(x)
+        self._publish(plan, x)
+
+    def _publish(self, plan: "LaunchPlan", x: torch.Tensor) -> None:
+        s = self.scratch
+        front_k.launch(plan.front, x, self.packed, plan.front_out, s.front_workspace)
+        mailbox_k.launch_publish(plan.publish, plan.front_out, s.table, s.lists.generation)
 
     def routed(self, b: int) -> torch.Tensor:
         """Poll, route, plan, experts and finalize: this rank's partial latent [b, L]."""
-        s, cfg = self.scratch, self.cfg
-        poll = dict(latent=cfg.latent, world=self.world, error=s.error,
-                    spin_limit=self.spin_limit)
-        ids, weights, q, q_scales = route_k.route_and_plan_mailbox(
-            s.mailbox, s.lists.generation, b, self.bias, cfg.top_k, cfg.renormalize,
-            cfg.routed_scaling_factor, lists=s.lists, ids=s.ids[:b], weights=s.weights[:b],
-            out=(s.plan[0][:b], s.plan[1][:b]), **poll)
-        rows = experts_k.experts(q, q_scales, self.experts, s.lists.counts, s.lists.pairs,
-                                 s.lists.generation, cfg.top_k, cfg.beta, cfg.linear_beta,
-                                 rows=s.rows[:b * cfg.top_k], workspace=s.hidden)
-        return finalize_k.finalize(rows, weights, out=s.latent_out[:b],
-                                   generation=s.lists.generation)
+        return self._routed(self.plan(b))
+
+    def _routed(self, plan: "LaunchPlan") -> torch.Tensor:
+        s = self.scratch
+        route_k.launch(plan.route)
+        ids, weights, q, q_scales = plan.routed
+        lists = s.lists
+        rows = experts_k.launch(plan.experts, q, q_scales, lists.counts, lists.pairs,
+                                lists.generation, plan.rows, s.hidden)
+        return finalize_k.launch(plan.finalize, rows, weights, plan.latent_out,
+                                 s.lists.generation)
 
     def shared(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial of the shared experts, BF16 [b, H] (a new tensor: the tail
         adds into it and it becomes the layer's output)."""
-        s, b = self.scratch, x.shape[0]
-        out = torch.empty(b, self.cfg.hidden, dtype=torch.bfloat16, device=x.device)
-        return shared_k.shared_expert(x, self.shared_pairs, self.shared_down, self.cfg.beta,
-                                      self.cfg.linear_beta, hidden=s.shared_hidden[:b],
-                                      out=out, workspace=s.shared_workspace)
+        x, plan = self._checked(x)
+        return self._shared(plan, x)
+
+    def _shared(self, plan: "LaunchPlan", x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(plan.b, self.cfg.hidden, dtype=torch.bfloat16, device=x.device)
+        return shared_k.launch(plan.shared, x, self.shared_pairs, self.shared_down,
+                               plan.shared_hidden, out, self.scratch.shared_workspace)
 
     def tail(self, latent: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
         """The tail of this rank's partials: latent [b, L] and shared [b, H] -> the layer's
@@ -303,6 +334,15 @@ class WideMoE(nn.Module):
         self.norm_up(latent, shared)
         self.publish_hidden(shared)
         return self.reduce_hidden(shared)
+
+    def _tail(self, plan: "LaunchPlan", latent: torch.Tensor,
+              shared: torch.Tensor) -> torch.Tensor:
+        """``tail`` of checked partials of ``plan``'s width: at T = 1 (nothing to reduce)
+        from the plan's launches, across ranks through the stages below."""
+        if self.world > 1:
+            return self.tail(latent, shared)
+        normed = tail_k.launch_norm(plan.norm, latent, self.norm_weight, plan.normed)
+        return front_k.launch(plan.up, normed, self.latent_up, shared, self.scratch.tail_workspace)
 
     def publish_latent(self, latent: torch.Tensor) -> None:
         """Start the latent's all-reduce: publish this rank's partial into every rank's
@@ -358,26 +398,27 @@ class WideMoE(nn.Module):
     # -- forward ----------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, H] BF16 -> [b, H] BF16 (all-reduced over the group)."""
-        self._check_input(x)
+        """x [b, H] BF16 -> [b, H] BF16 (all-reduced over the group). The one check of
+        ``x`` is here (a non-contiguous x is copied); the stages behind it take it as
+        checked."""
+        x = check_input(x, self.cfg.hidden, self.device)
         if self.world > 1 and self.group is None:
             raise RuntimeError("this WideMoE is one rank of a simulated group: run it "
                                "through SimulatedGroup")
-        x = x.contiguous()
-        rows = self.cfg.wide_rows
-        if x.shape[0] == 0:
+        b, rows = x.shape[0], self.cfg.wide_rows
+        if b == 0:
             return torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=self.device)
-        if x.shape[0] > rows:
-            return torch.cat([self._forward(x[i:i + rows]) for i in range(0, x.shape[0], rows)])
+        if b > rows:
+            return torch.cat([self._forward(x[i:i + rows]) for i in range(0, b, rows)])
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        b = x.shape[0]
+        plan = self._plans.get(x.shape[0]) or self.plan(x.shape[0])
         if not x.is_cuda:
-            shared = self.shared(x)
-            self.publish(x)
-            out = self.tail(self.routed(b), shared)
-            self.check_mailbox()
+            shared = self._shared(plan, x)
+            self._publish(plan, x)
+            out = self._tail(plan, self._routed(plan), shared)
+            mailbox_k.raise_if_set(self.scratch.error, self._context)
             return out
         s = self.scratch
         fork, shared_done, chain_done = s.events
@@ -385,19 +426,58 @@ class WideMoE(nn.Module):
         fork.record(main)
         with torch.cuda.stream(s.side):
             s.side.wait_event(fork)
-            shared = self.shared(x)
+            shared = self._shared(plan, x)
             shared_done.record(s.side)
         with torch.cuda.stream(s.chain):
             s.chain.wait_event(fork)
-            self.publish(x)
-            latent = self.routed(b)
+            self._publish(plan, x)
+            latent = self._routed(plan)
             chain_done.record(s.chain)
         main.wait_event(chain_done)
         main.wait_event(shared_done)
         shared.record_stream(main)
         x.record_stream(s.side)
         x.record_stream(s.chain)
-        return self.tail(latent, shared)
+        return self._tail(plan, latent, shared)
+
+
+class LaunchPlan:
+    """Everything one forward of ``b`` rows launches with, resolved once per (layer, b):
+    each kernel's tuned config merged with its defaults, its grid and its constant
+    arguments, the scratch's views at ``b`` rows, all checked here against the layer's
+    weights and buffers, so that a forward only looks its plan up and launches."""
+
+    def __init__(self, layer: "WideMoE", b: int):
+        cfg, s, device = layer.cfg, layer.scratch, layer.device
+        L, K = cfg.latent, cfg.top_k
+        self.b = b
+        self.shared = shared_k.resolve(b, cfg.shared_per_rank, cfg.hidden, cfg.beta,
+                                       cfg.linear_beta, device)
+        self.shared_hidden = s.shared_hidden[:b]
+        self.front_out = s.front[:b]
+        self.front = front_k.resolve(b, self.front_out.shape[1], cfg.hidden, front_k.EPI_F32,
+                                     front_k.KERNEL, device)
+        self.publish = mailbox_k.resolve_publish(b, layer.rank, layer.world, L,
+                                                 cfg.num_experts, cfg.wide_rows, device)
+        self.route, self.routed = route_k.resolve_route_and_plan_mailbox(
+            s.mailbox, s.lists.generation, b, layer.bias, K, cfg.renormalize,
+            cfg.routed_scaling_factor, latent=L, world=layer.world, error=s.error,
+            spin_limit=layer.spin_limit, lists=s.lists, ids=s.ids[:b],
+            weights=s.weights[:b], out=(s.plan[0][:b], s.plan[1][:b]))
+        self.rows = s.rows[:b * K]
+        self.experts = experts_k.resolve(layer.experts, b, K, s.lists.wide_rows, cfg.beta,
+                                         cfg.linear_beta)
+        experts_k._check_workspace(s.hidden, b, K, L, cfg.intermediate_per_rank, device)
+        self.latent_out = s.latent_out[:b]
+        self.normed = s.normed[:b]
+        self.finalize = finalize_k.resolve(b, L, K, True, device)
+        self.norm = tail_k.resolve_norm(b, L, cfg.rms_eps, device)
+        self.up = tail_k.resolve_up(b, cfg.hidden_per_rank, L, device)
+        for run, workspace in ((self.shared[0], s.shared_workspace),
+                               (self.shared[1], s.shared_workspace),
+                               (self.front, s.front_workspace), (self.up, s.tail_workspace)):
+            if run.parts > 1:
+                front_k._check_workspace(workspace, run.parts, b, run.gemm["N"], device)
 
 
 class SimulatedGroup:
@@ -442,9 +522,7 @@ class SimulatedGroup:
         """Every rank's output for x (each rank sees the same x), in chunks of wide_rows
         rows as ``WideMoE``; ``skip_publish`` names ranks that publish nothing, neither
         into the mailbox nor into the tail rows (to test the poll timeouts)."""
-        for m in self.ranks:
-            m._check_input(x)
-        x = x.contiguous()
+        x = check_input(x, self.cfg.hidden, self.ranks[0].device)
         rows = self.cfg.wide_rows
         if x.shape[0] <= rows:
             return self._call(x, skip_publish)

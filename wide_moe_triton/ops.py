@@ -17,6 +17,7 @@ linear, shared_expert, add_up_projection) are batch invariant: a row's bits do n
 depend on the other rows of its batch.
 """
 
+from .checks import check_tensor
 from .kernels.experts import experts, prepare_weights
 from .kernels.finalize import finalize
 from .kernels.front import front_gemm, linear, linear_situ, pack_front
@@ -30,10 +31,11 @@ from .kernels.tail import add_up_projection, rms_norm
 def quantize_mxfp8(x, **kwargs):
     """MXFP8 of ``x`` [..., n] (BF16 or FP32) along its last dim, bit-identical to
     ``wide_moe_triton.mx.quantize_mxfp8``: (codes uint8 [..., n], scales uint8 [..., n/32])."""
+    check_tensor("x", x, None, None, contiguous=False)
     if x.dim() == 2:
         return _quantize_2d(x, **kwargs)
     if x.dim() < 1:
-        raise ValueError("x must have at least one dimension")
+        raise ValueError(f"x must have shape [..., n], got {list(x.shape)}")
     lead = x.shape[:-1]
     q, s = _quantize_2d(x.reshape(-1, x.shape[-1]), **kwargs)
     return q.reshape(*lead, x.shape[-1]), s.reshape(*lead, x.shape[-1] // 32)

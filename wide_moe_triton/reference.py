@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import layout, mx
-from .checks import check_tensor
+from .checks import check_input, check_tensor
 from .config import WideMoEConfig
 
 
@@ -234,11 +234,11 @@ class LatentMoE(nn.Module):
         return finalize(rows, weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [b, H] BF16 -> [b, H] BF16."""
+        """x [b, H] BF16 -> [b, H] BF16 (any b, 0 included; x may be non-contiguous)."""
         self._check_whole()
-        if x.dim() != 2 or x.shape[1] != self.cfg.hidden or x.dtype != torch.bfloat16:
-            raise ValueError(f"x must be BF16 [b, {self.cfg.hidden}], got "
-                             f"{x.dtype} {tuple(x.shape)}")
+        x = check_input(x, self.cfg.hidden, self.gate_weight.device)
+        if x.shape[0] == 0:
+            return torch.empty(0, self.cfg.hidden, dtype=torch.bfloat16, device=x.device)
         shared = self.shared_expert(x)
         normed = rms_norm(self.routed_latent(x), self.norm_weight, self.cfg.rms_eps)
         return (shared.float() + mm_f32(normed, self.latent_up)).to(torch.bfloat16)

@@ -13,6 +13,10 @@ SHAPE is the kernel's own key of the dims that change its best config (e.g.
 bucket >= rows (the largest if none is). A missing GPU file, kernel, shape or bucket
 falls back to the kernel's default with one warning per (kernel, shape); a malformed file
 is an error naming the file and the field.
+
+A table is read once per process, and ``WideMoE`` resolves each launch of a batch width
+once (its ``LaunchPlan``): changing the file on disk after start-up is not supported (a
+new process reads it).
 """
 
 from __future__ import annotations

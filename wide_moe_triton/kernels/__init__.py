@@ -6,3 +6,19 @@ routed and the shared experts share, ``pdl.py`` the programmatic dependent launc
 the experts' down kernel to finalize. The front GEMM (``front.py``) also carries every
 other dense linear (the shared expert's, ``shared.py``; the tail's up-projection,
 ``tail.py``), each under its own tuning name."""
+
+import contextlib
+import os
+
+import numpy as np
+
+# Decided once, as ``triton.jit`` decides at import whether the kernels run interpreted.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def quiet():
+    """A context for a launch: in Triton's interpreter, numpy's floating-point warnings
+    off within it (its numpy arithmetic warns where Inf or NaN operands meet, e.g. Inf
+    inputs, which a GPU computes silently and the caller gets as Inf or NaN outputs);
+    elsewhere nothing. Scoped to the launch, never numpy's global state."""
+    return np.errstate(all="ignore") if _INTERPRETED else contextlib.nullcontext()

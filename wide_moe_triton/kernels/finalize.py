@@ -18,6 +18,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..tuning import config_for
+from . import quiet
 from .bits import bf16_bits_to_f32, f32_to_bf16_bits
 from .pdl import dependent_launch, wait_for_previous_grid
 
@@ -98,11 +99,11 @@ def finalize(rows: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | N
     the one ahead of it in the stream (``pdl``): started early, it waits for that one's
     completion before its first load, so the results are those of a plain launch.
     """
-    check_tensor("weights", weights, torch.bfloat16, (None, None))
+    check_tensor("weights", weights, torch.bfloat16, ("b", "K"))
     b, K = weights.shape
     if K == 0:
         raise ValueError("weights must have at least one column (K >= 1)")
-    check_tensor("rows", rows, torch.bfloat16, (b * K, None), weights.device)
+    check_tensor("rows", rows, torch.bfloat16, (b * K, "L"), weights.device)
     L = rows.shape[1]
     if L == 0:
         raise ValueError("rows must have at least one column (L >= 1)")
@@ -113,14 +114,31 @@ def finalize(rows: torch.Tensor, weights: torch.Tensor, *, out: torch.Tensor | N
         check_tensor("generation", generation, torch.int32, (1,), rows.device)
     if b == 0:
         return out
+    run = resolve(b, L, K, generation is not None, rows.device, config)
+    return launch(run, rows, weights, out, generation)
+
+
+def resolve(b: int, L: int, K: int, has_generation: bool, device,
+            config: dict | None = None) -> tuple:
+    """(grid, arguments but the tensors) of ``finalize`` at b >= 1 tokens: ``config`` as
+    given (missing keys from ``DEFAULT``) or the tuned one, checked."""
     cfg = {**DEFAULT, **config} if config is not None else config_for(
-        KERNEL, shape_key(L, K), b, DEFAULT, rows.device)
+        KERNEL, shape_key(L, K), b, DEFAULT, device)
     _check_config(cfg)
-    grid = (triton.cdiv(b, cfg["BLOCK_T"]) * triton.cdiv(L, cfg["BLOCK_L"]),)
-    pdl = dependent_launch(rows.device)
-    _finalize_kernel[grid](
-        rows.view(torch.int16), weights.view(torch.int16), out.view(torch.int16),
-        generation if generation is not None else out, b, L, K=K,
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_L=cfg["BLOCK_L"], HAS_GEN=generation is not None,
-        PDL_WAIT=pdl, num_warps=cfg["num_warps"], launch_pdl=pdl)
+    pdl = dependent_launch(device)
+    return ((triton.cdiv(b, cfg["BLOCK_T"]) * triton.cdiv(L, cfg["BLOCK_L"]),),
+            dict(b=b, L=L, K=K, BLOCK_T=cfg["BLOCK_T"], BLOCK_L=cfg["BLOCK_L"],
+                 HAS_GEN=has_generation, PDL_WAIT=pdl, num_warps=cfg["num_warps"],
+                 launch_pdl=pdl))
+
+
+def launch(run: tuple, rows: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+           generation: torch.Tensor | None) -> torch.Tensor:
+    """``finalize`` of checked arguments with a resolved launch (``resolve``); returns
+    ``out``."""
+    grid, args = run
+    with quiet():
+        _finalize_kernel[grid](rows_ptr=rows.view(torch.int16),
+                               w_ptr=weights.view(torch.int16), out_ptr=out.view(torch.int16),
+                               gen_ptr=generation if generation is not None else out, **args)
     return out

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -62,6 +63,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..tuning import config_for
+from . import quiet
 from .bits import bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16
 from .situ import situ
 
@@ -419,10 +421,10 @@ def _interpreting() -> bool:
 
 
 def _check_operands(x: torch.Tensor, weight_name: str, weight: torch.Tensor) -> None:
-    check_tensor("x", x, torch.bfloat16, (None, None))
+    check_tensor("x", x, torch.bfloat16, ("b", "H"))
     if x.shape[1] == 0:
         raise ValueError("x must have at least one column (H >= 1)")
-    check_tensor(weight_name, weight, torch.bfloat16, (None, x.shape[1]), x.device)
+    check_tensor(weight_name, weight, torch.bfloat16, ("N", x.shape[1]), x.device)
 
 
 def _check_out(out: torch.Tensor, dtype: torch.dtype, b: int, N: int, device) -> None:
@@ -445,6 +447,65 @@ def _check_workspace(workspace, parts: int, b: int, N: int, device) -> torch.Ten
     return workspace
 
 
+class GemmLaunch(NamedTuple):
+    """One GEMM call's launch, resolved once for its (kernel, shape, b): the grids and
+    every argument of the two kernels but the tensors and the output's row stride."""
+
+    grid: tuple
+    gemm: dict
+    parts: int          # programs a tile's segments are shared among (> 1: split-K)
+    reduce_grid: tuple
+    reduce: dict
+
+
+def resolve(b: int, N: int, H: int, epilogue, kernel: str, device, config: dict | None = None,
+            beta: float = 1.0, linear_beta: float | None = None) -> GemmLaunch:
+    """The launch of ``kernel``'s GEMM at (b >= 1, N, H) with ``epilogue`` (EPI_*):
+    ``config`` as given (missing keys from ``DEFAULT``) or the tuned one
+    (``launch_config``), checked."""
+    cfg = {**DEFAULT, **config} if config is not None else launch_config(N, H, b, device,
+                                                                          kernel)
+    _check_config(cfg)
+    num_blocks, per_split, segments = _split_plan(H, cfg)
+    levels, parts = _group_plan(segments, cfg)
+    split_grid = parts > 1
+    common = dict(b=b, N=N, beta=float(beta),
+                  linear_beta=1.0 if linear_beta is None else float(linear_beta),
+                  HAS_LINEAR_BETA=linear_beta is not None, INTERPRET=_interpreting(),
+                  # No FMA contraction: the epilogue's math must not depend on the code
+                  # around it (GEMM program or reduction kernel).
+                  enable_fp_fusion=False)
+    gemm = dict(common, H=H, num_blocks=num_blocks, blocks_per_split=per_split,
+                BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                LEVELS=levels if segments > 1 else 0, SPLIT_GRID=split_grid,
+                EVEN_K=H % cfg["BLOCK_K"] == 0,
+                EPILOGUE=(EPI_F32 if split_grid else epilogue).value,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    reduce = dict(common, numel=b * N, N_PARTS=parts, TREE_DEPTH=(parts - 1).bit_length(),
+                  EPILOGUE=epilogue.value, BLOCK_N=_REDUCE_N, BLOCK_M=_REDUCE_M, num_warps=4)
+    return GemmLaunch((triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(b, cfg["BLOCK_M"]), parts),
+                      gemm, parts,
+                      (triton.cdiv(N, _REDUCE_N), triton.cdiv(b, _REDUCE_M)), reduce)
+
+
+def launch(run: GemmLaunch, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor,
+           workspace: torch.Tensor | None) -> torch.Tensor:
+    """``out`` = the epilogue of ``x @ weight.T`` for operands already checked against
+    ``run``'s shape (``workspace``: FP32, at least ``run.parts * b * N`` elements where
+    ``run.parts > 1``); returns ``out``."""
+    out_view = out if out.dtype == torch.float32 else out.view(torch.int16)
+    with quiet():
+        if run.parts > 1:
+            _front_kernel[run.grid](x_ptr=x, w_ptr=weight, dst_ptr=workspace,
+                                    dst_stride=run.gemm["N"], **run.gemm)
+            _front_reduce_kernel[run.reduce_grid](ws_ptr=workspace, out_ptr=out_view,
+                                                  out_stride=out.stride(0), **run.reduce)
+        else:
+            _front_kernel[run.grid](x_ptr=x, w_ptr=weight, dst_ptr=out_view,
+                                    dst_stride=out.stride(0), **run.gemm)
+    return out
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, epilogue, kernel: str,
             workspace, config, beta: float = 1.0, linear_beta: float | None = None):
     """``out`` = epilogue(x @ weight.T) for checked operands; see ``front_gemm``."""
@@ -452,41 +513,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, epilogue, 
     N = weight.shape[0]
     if b == 0 or N == 0:
         return out
-    cfg = {**DEFAULT, **config} if config is not None else launch_config(N, H, b, x.device,
-                                                                          kernel)
-    _check_config(cfg)
-    num_blocks, per_split, segments = _split_plan(H, cfg)
-    levels, parts = _group_plan(segments, cfg)
-    split_grid = parts > 1
-    out_view = out if out.dtype == torch.float32 else out.view(torch.int16)
-    scalars = dict(beta=float(beta),
-                   linear_beta=1.0 if linear_beta is None else float(linear_beta))
-    flags = dict(HAS_LINEAR_BETA=linear_beta is not None,
-                 # No FMA contraction: the epilogue's math must not depend on the code
-                 # around it (GEMM program or reduction kernel).
-                 enable_fp_fusion=False)
-    if split_grid:
-        workspace = _check_workspace(workspace, parts, b, N, x.device)
-        dst, dst_stride, dst_epilogue = workspace, N, EPI_F32
-    else:
-        dst, dst_stride, dst_epilogue = out_view, out.stride(0), epilogue
-    grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(b, cfg["BLOCK_M"]),
-            parts)
-    _front_kernel[grid](
-        x_ptr=x, w_ptr=weight, dst_ptr=dst, b=b, N=N, H=H, num_blocks=num_blocks,
-        blocks_per_split=per_split, dst_stride=dst_stride, **scalars,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        LEVELS=levels if segments > 1 else 0, SPLIT_GRID=split_grid,
-        EVEN_K=H % cfg["BLOCK_K"] == 0, EPILOGUE=dst_epilogue.value,
-        INTERPRET=_interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **flags)
-    if split_grid:
-        _front_reduce_kernel[(triton.cdiv(N, _REDUCE_N), triton.cdiv(b, _REDUCE_M))](
-            workspace, out_view, b, N, b * N, out.stride(0), **scalars, N_PARTS=parts,
-            TREE_DEPTH=(parts - 1).bit_length(),
-            EPILOGUE=epilogue.value, BLOCK_N=_REDUCE_N, BLOCK_M=_REDUCE_M,
-            INTERPRET=_interpreting(), num_warps=4, **flags)
-    return out
+    run = resolve(b, N, H, epilogue, kernel, x.device, config, beta, linear_beta)
+    if run.parts > 1:
+        workspace = _check_workspace(workspace, run.parts, b, N, x.device)
+    return launch(run, x, weight, out, workspace)
 
 
 def front_gemm(x: torch.Tensor, packed: torch.Tensor, *, out: torch.Tensor | None = None,

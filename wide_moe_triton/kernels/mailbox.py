@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..tuning import config_for
+from . import quiet
 from .bits import f32_to_bf16_bits
 
 KERNEL = "publish"
@@ -164,6 +165,11 @@ def check_mailbox_error(error: torch.Tensor, context: str = "") -> None:
     poll timed out on, if the record ``error`` (int32 [2]) is set; the record is cleared
     first. Reads the record on the host (a device sync)."""
     check_tensor("error", error, torch.int32, (2,))
+    raise_if_set(error, context)
+
+
+def raise_if_set(error: torch.Tensor, context: str = "") -> None:
+    """``check_mailbox_error`` of a record already known to be int32 [2]."""
     mask, places = (int(v) for v in error.tolist())
     if mask == 0 and places == 0:
         return
@@ -325,10 +331,8 @@ def publish(front: torch.Tensor, table: torch.Tensor, rank: int, world: int,
     if latent % 2:
         raise ValueError(f"latent ({latent}) must be even")
     experts_per_rank, latent_per_rank = num_experts // world, latent // world
-    if not isinstance(front, torch.Tensor) or front.dim() != 2:
-        raise ValueError("front must be a 2-D tensor [b, E/T + L/T]")
-    check_tensor("front", front, torch.float32,
-                 (None, experts_per_rank + latent_per_rank), contiguous=False)
+    check_tensor("front", front, torch.float32, ("b", experts_per_rank + latent_per_rank),
+                 contiguous=False)
     if front.stride(1) != 1:
         raise ValueError("front must have contiguous rows (stride 1 along its last dim)")
     rows = front.shape[0]
@@ -338,15 +342,34 @@ def publish(front: torch.Tensor, table: torch.Tensor, rank: int, world: int,
     check_generation(generation, front.device)
     if rows == 0:
         return
-    cols = experts_per_rank + latent_per_rank
+    run = resolve_publish(rows, rank, world, latent, num_experts, wide_rows, front.device,
+                          config)
+    launch_publish(run, front, table, generation)
+
+
+def resolve_publish(rows: int, rank: int, world: int, latent: int, num_experts: int,
+                    wide_rows: int, device, config: dict | None = None) -> tuple:
+    """(grid, arguments but the tensors) of ``publish`` of rows >= 1 rows (checked
+    sizes): ``config`` as given or the tuned one."""
+    experts_per_rank, latent_per_rank = num_experts // world, latent // world
     cfg = config or config_for(KERNEL, shape_key(experts_per_rank, latent_per_rank, world),
-                               rows, DEFAULT, front.device)
+                               rows, DEFAULT, device)
     row_stride = latent + 2 * num_experts
-    grid = (triton.cdiv(rows, cfg["BLOCK_T"]), triton.cdiv(cols, cfg["BLOCK_C"]))
-    _publish_kernel[grid](front, front.stride(0), table, generation, rank, world, rows,
-                          experts_per_rank, latent_per_rank, latent, row_stride,
-                          wide_rows * row_stride, BLOCK_T=cfg["BLOCK_T"],
-                          BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+    grid = (triton.cdiv(rows, cfg["BLOCK_T"]),
+            triton.cdiv(experts_per_rank + latent_per_rank, cfg["BLOCK_C"]))
+    return grid, dict(rank=rank, world=world, rows=rows, experts_per_rank=experts_per_rank,
+                      latent_per_rank=latent_per_rank, latent=latent, row_stride=row_stride,
+                      parity_stride=wide_rows * row_stride, BLOCK_T=cfg["BLOCK_T"],
+                      BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+
+
+def launch_publish(run: tuple, front: torch.Tensor, table: torch.Tensor,
+                   generation: torch.Tensor) -> None:
+    """``publish`` of checked arguments with a resolved launch (``resolve_publish``)."""
+    grid, args = run
+    with quiet():
+        _publish_kernel[grid](front_ptr=front, front_stride=front.stride(0), table_ptr=table,
+                              gen_ptr=generation, **args)
 
 
 # ----------------------------------------------------------------------------- tail rows

@@ -22,6 +22,7 @@ from ..checks import check_tensor
 from ..tuning import config_for
 from .bits import bf16_bits_to_f32, f32_to_bf16_bits  # noqa: F401 (re-exported)
 from . import mailbox as mb
+from . import quiet
 
 KERNEL = "plan"
 DEFAULT = {"BLOCK_ROWS": 16, "BLOCK_COLS": 256, "num_warps": 4}
@@ -121,9 +122,7 @@ def _plan_kernel(x_ptr, x_stride, q_ptr, s_ptr, rows, cols, BF16_BITS: tl.conste
 
 def check_input(x) -> tuple[int, int]:
     """(rows, n) of a valid ``quantize_mxfp8`` input, else an error naming ``x``."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [rows, n], got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
+    check_tensor("x", x, None, ("rows", "n"), contiguous=False)
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"x must be torch.bfloat16 or torch.float32, got {x.dtype}")
     rows, cols = x.shape
@@ -165,10 +164,11 @@ def quantize_mxfp8(x: torch.Tensor, *, out: tuple | None = None, config: dict | 
     cfg = config or config_for(KERNEL, shape_key(cols), rows, DEFAULT, x.device)
     grid = (triton.cdiv(rows, cfg["BLOCK_ROWS"]), triton.cdiv(cols, cfg["BLOCK_COLS"]))
     bits = x.dtype == torch.bfloat16
-    _plan_kernel[grid](x.view(torch.int16) if bits else x, x.stride(0), out[0], out[1],
-                       rows, cols, BF16_BITS=bits,
-                       BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"],
-                       num_warps=cfg["num_warps"])
+    with quiet():
+        _plan_kernel[grid](x.view(torch.int16) if bits else x, x.stride(0), out[0], out[1],
+                           rows, cols, BF16_BITS=bits,
+                           BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"],
+                           num_warps=cfg["num_warps"])
     return out
 
 
@@ -202,9 +202,10 @@ def quantize_mxfp8_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
     cfg = config or config_for(KERNEL, shape_key(latent, polled=True), rows, DEFAULT, device)
     grid = (triton.cdiv(rows, cfg["BLOCK_ROWS"]), triton.cdiv(latent, cfg["BLOCK_COLS"]))
     columns = mailbox.shape[2]
-    _plan_mailbox_kernel[grid](mailbox.view(torch.int16), generation, columns,
-                               mailbox.shape[1] * columns, out[0], out[1], rows, latent,
-                               latent // world, error, spin_limit,
-                               BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"],
-                               num_warps=cfg["num_warps"])
+    with quiet():
+        _plan_mailbox_kernel[grid](mailbox.view(torch.int16), generation, columns,
+                                   mailbox.shape[1] * columns, out[0], out[1], rows, latent,
+                                   latent // world, error, spin_limit,
+                                   BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"],
+                                   num_warps=cfg["num_warps"])
     return out

@@ -49,6 +49,7 @@ from ..checks import check_tensor
 from ..tuning import config_for
 from . import mailbox as mb
 from . import plan as plan_k
+from . import quiet
 from .bits import f32_to_bf16_bits
 
 KERNEL = "route"
@@ -506,9 +507,21 @@ def _launch(logits: _Logits, bias, top_k, renormalize, scale, lists, ids, weight
             num_experts, config, latent: _Latent | None = None):
     device = bias.device
     ids, weights = _outputs(rows, top_k, device, ids, weights)
-    counts, pairs, list_gen, wide_rows = _lists_args(lists, rows, num_experts, device, ids)
     if rows == 0 and lists is None:
         return ids, weights
+    launch(resolve(logits, bias, top_k, renormalize, scale, lists, ids, weights, rows,
+                   num_experts, config, latent))
+    return ids, weights
+
+
+def resolve(logits: _Logits, bias, top_k, renormalize, scale, lists, ids, weights, rows,
+            num_experts, config=None, latent: _Latent | None = None) -> tuple:
+    """(grid, every argument) of one route launch (with the plan's tiles when ``latent``)
+    over checked arguments (``lists`` is checked here): ``config`` as given or the tuned
+    one. The tensors are bound too: a layer resolves its launch once per batch width over
+    its own buffers."""
+    device = bias.device
+    counts, pairs, list_gen, wide_rows = _lists_args(lists, rows, num_experts, device, ids)
     kernel, default = (KERNEL, DEFAULT) if latent is None else (KERNEL_PLAN, DEFAULT_PLAN)
     cfg = dict(default, **(config or config_for(
         kernel, shape_key(num_experts, top_k, latent and latent.columns), rows, default,
@@ -527,28 +540,35 @@ def _launch(logits: _Logits, bias, top_k, renormalize, scale, lists, ids, weight
     # A route alone passes placeholders for the plan's arguments (PLAN=False: never read).
     plan = latent or _Latent(ids, 0, 32, (ids, ids))
     polled = logits.generation is not None
-    _route_kernel[(route_programs + tiles,)](
-        logits.src, logits.row_stride, logits.offset, logits.parity_stride,
-        logits.generation if polled else ids, logits.error if polled else ids,
-        logits.spin_limit, logits.experts_per_rank,
-        bias, ids, weights.view(torch.int16), counts, pairs, list_gen, wide_rows,
-        rows, num_experts, _fp32(float(scale)), route_programs,
-        plan.src, plan.row_stride, plan.parity_stride, plan.out[0], plan.out[1], plan.columns,
-        plan.per_rank, col_tiles,
+    return (route_programs + tiles,), dict(
+        src_ptr=logits.src, src_row_stride=logits.row_stride, src_offset=logits.offset,
+        src_parity_stride=logits.parity_stride,
+        mb_gen_ptr=logits.generation if polled else ids,
+        error_ptr=logits.error if polled else ids, spin_limit=logits.spin_limit,
+        experts_per_rank=logits.experts_per_rank, bias_ptr=bias, ids_ptr=ids,
+        w_ptr=weights.view(torch.int16), counts_ptr=counts, pairs_ptr=pairs,
+        list_gen_ptr=list_gen, wide_rows=wide_rows, rows=rows, E=num_experts,
+        scale=_fp32(float(scale)), route_programs=route_programs,
+        lat_ptr=plan.src, lat_row_stride=plan.row_stride,
+        lat_parity_stride=plan.parity_stride, q_ptr=plan.out[0], qs_ptr=plan.out[1],
+        latent=plan.columns, latent_per_rank=plan.per_rank, col_tiles=col_tiles,
         TOP_K=top_k, RENORMALIZE=renormalize, CLAIM=lists is not None, POLLED=polled,
         PLAN=latent is not None, LAT_BF16=plan.src.dtype == torch.int16,
         CANDIDATES=slots, KEPT=kept, BLOCK_T=cfg["BLOCK_T"],
         S=slices, G=groups, V=width, ZERO=cfg["ZERO_BLOCK"],
         BLOCK_ROWS=cfg.get("BLOCK_ROWS", 1), BLOCK_COLS=cfg.get("BLOCK_COLS", 32),
         num_warps=cfg["num_warps"])
-    return ids, weights
+
+
+def launch(run: tuple) -> None:
+    """Launch a resolved route (``resolve``)."""
+    grid, args = run
+    with quiet():
+        _route_kernel[grid](**args)
 
 
 def _check_logits(logits):
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise ValueError(f"logits must be a 2-D tensor [b, E], got "
-                         f"{getattr(logits, 'shape', type(logits).__name__)}")
-    check_tensor("logits", logits, torch.float32, contiguous=False)
+    check_tensor("logits", logits, torch.float32, ("b", "E"), contiguous=False)
     if logits.stride(1) != 1:
         raise ValueError("logits must have contiguous rows (stride 1 along its last dim)")
     if logits.shape[1] == 0:
@@ -644,13 +664,33 @@ def route_and_plan_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
     one launch: (ids, weights, codes, scales), each bit-identical to its stage's own
     function. Every program polls the words it reads (the route a row's logits, the plan
     a tile of latent) and re-arms them; timeouts go to ``error`` as in either."""
+    run, outputs = resolve_route_and_plan_mailbox(
+        mailbox, generation, rows, bias, top_k, renormalize, scale, latent=latent,
+        world=world, error=error, spin_limit=spin_limit, lists=lists, ids=ids,
+        weights=weights, out=out, config=config)
+    if run is not None:
+        launch(run)
+    return outputs
+
+
+def resolve_route_and_plan_mailbox(mailbox, generation, rows, bias, top_k, renormalize,
+                                   scale, *, latent, world, error,
+                                   spin_limit=mb.DEFAULT_SPIN_LIMIT, lists=None, ids=None,
+                                   weights=None, out=None, config=None):
+    """``route_and_plan_mailbox``'s arguments checked and its launch resolved, launching
+    nothing: (the launch for ``launch``, or None when there is nothing to do; (ids,
+    weights, codes, scales), the buffers it writes)."""
     logits, num_experts = _mailbox_logits(mailbox, generation, rows, bias, top_k, renormalize,
                                           scale, latent, world, error, spin_limit)
     plan_k.check_mailbox_latent(latent, world, mailbox.shape[2])
     out = plan_k.outputs(out, rows, latent, mailbox.device)
+    ids, weights = _outputs(rows, top_k, mailbox.device, ids, weights)
+    outputs = (ids, weights, out[0], out[1])
+    if rows == 0 and lists is None:
+        return None, outputs
     columns = mailbox.shape[2]
-    ids, weights = _launch(logits, bias, top_k, renormalize, scale, lists, ids, weights, rows,
-                           num_experts, config,
-                           _Latent(mailbox.view(torch.int16), columns, latent, out,
-                                   mailbox.shape[1] * columns, latent // world))
-    return ids, weights, out[0], out[1]
+    run = resolve(logits, bias, top_k, renormalize, scale, lists, ids, weights, rows,
+                  num_experts, config, _Latent(mailbox.view(torch.int16), columns, latent,
+                                               out, mailbox.shape[1] * columns,
+                                               latent // world))
+    return run, outputs

@@ -47,6 +47,24 @@ def max_workspace_numel(rows: int, S: int, H: int, device=None) -> int:
                front.max_workspace_numel(rows, H, S, device, KERNEL_DOWN))
 
 
+def resolve(b: int, S: int, H: int, beta: float, linear_beta: float | None,
+            device) -> tuple[front.GemmLaunch, front.GemmLaunch]:
+    """The tuned launches (gate/up, down) of ``shared_expert`` at b >= 1 rows, S this
+    rank's shared intermediate, H hidden."""
+    return (front.resolve(b, 2 * S, H, front.EPI_SITU, KERNEL_GATE_UP, device, None, beta,
+                          linear_beta),
+            front.resolve(b, H, S, front.EPI_BF16, KERNEL_DOWN, device))
+
+
+def launch(runs: tuple[front.GemmLaunch, front.GemmLaunch], x: torch.Tensor,
+           gate_up_pairs: torch.Tensor, down: torch.Tensor, hidden: torch.Tensor,
+           out: torch.Tensor, workspace: torch.Tensor) -> torch.Tensor:
+    """``shared_expert`` for arguments already checked against ``runs`` (``resolve``):
+    writes ``hidden`` then ``out``, returns ``out``."""
+    front.launch(runs[0], x, gate_up_pairs, hidden, workspace)
+    return front.launch(runs[1], hidden, down, out, workspace)
+
+
 def shared_expert(x: torch.Tensor, gate_up_pairs: torch.Tensor, down: torch.Tensor,
                   beta: float, linear_beta: float | None, *,
                   hidden: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -60,8 +78,9 @@ def shared_expert(x: torch.Tensor, gate_up_pairs: torch.Tensor, down: torch.Tens
     buffer (default: allocated). ``workspace``: as in ``front.front_gemm``, for both
     launches. ``config_gate_up``/``config_down``: launch configs (default: the tuned
     tables of ``shared_gate_up``/``shared_down``)."""
-    check_tensor("x", x, torch.bfloat16, (None, None))
-    check_tensor("gate_up_pairs", gate_up_pairs, torch.bfloat16, (None, x.shape[1]), x.device)
+    check_tensor("x", x, torch.bfloat16, ("b", "H"))
+    check_tensor("gate_up_pairs", gate_up_pairs, torch.bfloat16, ("2S", x.shape[1]),
+                 x.device)
     S = gate_up_pairs.shape[0] // 2
     check_tensor("down", down, torch.bfloat16, (x.shape[1], S), x.device)
     if hidden is not None:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..tuning import config_for
-from . import front
+from . import front, quiet
 from . import mailbox as mb
 from .bits import bf16_bits_to_f32, f32_to_bf16_bits, round_to_bf16
 
@@ -143,7 +143,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     parameters, missing keys from ``DEFAULT`` (default: ``norm_config``, one config for
     every batch width).
     """
-    check_tensor("x", x, torch.bfloat16, (None, None))
+    check_tensor("x", x, torch.bfloat16, ("b", "L"))
     b, L = x.shape
     _check_norm_args(L, weight, eps, x.device)
     if out is None:
@@ -151,12 +151,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
     check_tensor("out", out, torch.bfloat16, (b, L), x.device)
     if b == 0:
         return out
-    cfg = norm_config(L, x.device, config)
-    _rms_norm_kernel[(triton.cdiv(b, cfg["BLOCK_T"]),)](
-        x.view(torch.int16), weight.view(torch.int16), out.view(torch.int16), b, L,
-        float(eps), BLOCK_T=cfg["BLOCK_T"], BLOCK_L=triton.next_power_of_2(L),
-        num_warps=cfg["num_warps"])
+    return launch_norm(resolve_norm(b, L, eps, x.device, config), x, weight, out)
+
+
+def resolve_norm(b: int, L: int, eps: float, device, config: dict | None = None) -> tuple:
+    """(grid, arguments but the tensors) of ``rms_norm`` at b >= 1 rows of L columns
+    (``norm_config``'s config)."""
+    cfg = norm_config(L, device, config)
+    return ((triton.cdiv(b, cfg["BLOCK_T"]),),
+            dict(b=b, L=L, eps=float(eps), BLOCK_T=cfg["BLOCK_T"],
+                 BLOCK_L=triton.next_power_of_2(L), num_warps=cfg["num_warps"]))
+
+
+def launch_norm(run: tuple, x: torch.Tensor, weight: torch.Tensor,
+                out: torch.Tensor) -> torch.Tensor:
+    """``rms_norm`` of checked arguments with a resolved launch (``resolve_norm``)."""
+    grid, args = run
+    with quiet():
+        _rms_norm_kernel[grid](x_ptr=x.view(torch.int16), w_ptr=weight.view(torch.int16),
+                               out_ptr=out.view(torch.int16), **args)
     return out
+
+
+def resolve_up(b: int, N: int, L: int, device) -> front.GemmLaunch:
+    """The tuned launch of ``add_up_projection`` at b >= 1 rows, N output columns."""
+    return front.resolve(b, N, L, front.EPI_ADD_BF16, KERNEL_UP, device)
 
 
 def norm_config(L: int, device, config: dict | None = None) -> dict:
@@ -251,8 +270,9 @@ def add_up_projection(normed: torch.Tensor, latent_up: torch.Tensor, shared: tor
     the batch. ``normed``: BF16 [b, L]. ``latent_up``: BF16 [N, L], this rank's rows of
     the up-projection. ``shared``: BF16 [b, N], rows may be strided (this rank's columns
     of the shared partial [b, H]). ``workspace``, ``config``: as in ``front.front_gemm``."""
-    check_tensor("normed", normed, torch.bfloat16, (None, None))
-    check_tensor("latent_up", latent_up, torch.bfloat16, (None, normed.shape[1]), normed.device)
+    check_tensor("normed", normed, torch.bfloat16, ("b", "L"))
+    check_tensor("latent_up", latent_up, torch.bfloat16, ("N", normed.shape[1]),
+                 normed.device)
     check_tensor("shared", shared, torch.bfloat16, (normed.shape[0], latent_up.shape[0]),
                  normed.device, contiguous=False)
     return front.linear(normed, latent_up, out=shared, accumulate=True, kernel=KERNEL_UP,

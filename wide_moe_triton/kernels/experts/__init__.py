@@ -85,6 +85,7 @@ from ...checks import check_tensor
 from ...config import MX_BLOCK
 from ...tuning import config_for
 from ..front import _interpreting
+from .. import quiet
 from ..pdl import dependent_launch
 # Re-exported: importers name these as ``experts.X``.
 from .configs import (  # noqa: F401
@@ -250,14 +251,6 @@ def only_launch(kind: str):
         _experts_up_kernel, _experts_down_kernel = saved
 
 
-def _plan_values(q: torch.Tensor, q_scales: torch.Tensor, out: torch.Tensor) -> None:
-    """out[:b] = the exact BF16 values of the MXFP8 plan (for BF16 activations)."""
-    b, cols = q.shape
-    block = reduction_block(cols, 512)
-    _plan_values_kernel[(b, cols // block)](q, q_scales, out, COLS=cols, BLOCK=block,
-                                            num_warps=4)
-
-
 def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
             counts: torch.Tensor, pairs: torch.Tensor, generation: torch.Tensor,
             top_k: int, beta: float, linear_beta: float | None, *,
@@ -284,7 +277,7 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
                         f"{type(weights).__name__}")
     E, L, inter = weights.num_experts, weights.latent, weights.inter
     device = weights.device
-    check_tensor("q", q, torch.uint8, (None, L), device)
+    check_tensor("q", q, torch.uint8, ("b", L), device)
     b = q.shape[0]
     check_tensor("q_scales", q_scales, torch.uint8, (b, L // MX_BLOCK), device)
     check_tensor("counts", counts, torch.int32, (2, E), device)
@@ -302,6 +295,32 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
     if workspace is None:
         workspace = make_workspace(b, top_k, L, inter, device)
     ws = _check_workspace(workspace, b, top_k, L, inter, device)
+    run = resolve(weights, b, top_k, wide_rows, beta, linear_beta, config_up, config_down)
+    if num_pairs == 0:
+        return rows
+    return launch(run, q, q_scales, counts, pairs, generation, rows, ws)
+
+
+class ExpertsLaunch(NamedTuple):
+    """One ``experts`` call's launches, resolved once for its (weights, b): the grids
+    and every argument of the up and down kernels but the call's tensors (the weights
+    and their TMA descriptors are bound)."""
+
+    plan_values: tuple | None  # (grid, block): the plan's exact BF16 values, for A_BF16
+    up_grid: tuple
+    up: dict
+    down_grid: tuple
+    down: dict
+
+
+def resolve(weights: ExpertWeights, b: int, top_k: int, wide_rows: int, beta: float,
+            linear_beta: float | None, config_up: dict | None = None,
+            config_down: dict | None = None) -> ExpertsLaunch:
+    """The launches of ``experts`` over ``weights`` at b tokens of ``top_k`` pairs, lists
+    of ``wide_rows`` (checked arguments): the configs as given or the tuned ones for
+    batch width b, checked."""
+    E, L, inter = weights.num_experts, weights.latent, weights.inter
+    device = weights.device
     decode = weights.layout == "wgmma_decode"
     tune = tuning(weights.layout, device)
     key = shape_key(L, inter, E) + tune.suffix
@@ -312,20 +331,15 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         config_down if config_down is not None else
         config_for(KERNEL_DOWN, key, b, tune.default_down, device), decode, staged)
     tma = cfg_up.get("TMA", 0)
-    descriptors = _weight_descriptors(weights, cfg_up["BLOCK_N"]) if tma else (None, None)
-    if num_pairs == 0:
-        return rows
-    if cfg_up["A_BF16"]:
-        _plan_values(q, q_scales, ws.q_values)
+    w_desc, ws_desc = _weight_descriptors(weights, cfg_up["BLOCK_N"]) if tma else (None, None)
     tiles = dict(ROW_BLOCK=weights.row_block, WGMMA_ORDER=weights.layout in TILED_LAYOUTS,
                  DECODE=decode, STAGED=staged,
                  INTERPRET=_interpreting())
     codes = (lambda t: t.view(torch.int32)) if decode else (lambda t: t)
-    _experts_up_kernel[(E, triton.cdiv(inter, cfg_up["BLOCK_N"]))](
-        q, q_scales, ws.q_values, counts, pairs, generation, codes(weights.w13),
-        weights.w13_scales, *descriptors,
-        ws.h_codes, ws.h_scales, ws.h_values, E, wide_rows, float(beta),
-        float(linear_beta) if linear_beta is not None else 1.0,
+    up = dict(
+        w_ptr=codes(weights.w13), ws_ptr=weights.w13_scales, w_desc=w_desc, ws_desc=ws_desc,
+        num_experts=E, wide_rows=wide_rows, beta=float(beta),
+        linear_beta=float(linear_beta) if linear_beta is not None else 1.0,
         LATENT=L, INTER=inter, TOP_K=top_k, HAS_LINEAR_BETA=linear_beta is not None,
         A_BF16=cfg_up["A_BF16"], STORE_VALUES=cfg_down["A_BF16"], **tiles,
         WIDE_SCALES=weights.wide_scales_up,
@@ -333,15 +347,38 @@ def experts(q: torch.Tensor, q_scales: torch.Tensor, weights: ExpertWeights,
         NUM_STAGES=cfg_up["num_stages"], MASK_ROWS=cfg_up.get("MASK_ROWS", 0),
         HALF_TILE=cfg_up.get("HALF_TILE", 0), TMA=tma, **_launch_options(cfg_up))
     cols = cfg_down.get("COLS", 1)
-    _experts_down_kernel[(E, triton.cdiv(triton.cdiv(L, cfg_down["BLOCK_N"]), cols))](
-        ws.h_codes, ws.h_scales, ws.h_values, counts, pairs, generation, codes(weights.w2),
-        weights.w2_scales, rows.view(torch.int16), E, wide_rows,
-        LATENT=L, INTER=inter, A_BF16=cfg_down["A_BF16"], **tiles,
+    down = dict(
+        w_ptr=codes(weights.w2), ws_ptr=weights.w2_scales, num_experts=E,
+        wide_rows=wide_rows, LATENT=L, INTER=inter, A_BF16=cfg_down["A_BF16"], **tiles,
         WIDE_SCALES=weights.wide_scales_down,
         BLOCK_M=cfg_down["BLOCK_M"], BLOCK_N=cfg_down["BLOCK_N"],
         BLOCK_K=weights.block_k_down, NUM_STAGES=cfg_down["num_stages"], COLS=cols,
         MASK_ROWS=cfg_down.get("MASK_ROWS", 0), HALF_TILE=cfg_down.get("HALF_TILE", 0),
         PDL_TRIGGER=dependent_launch(device),
         **_launch_options(cfg_down))
-    return rows
+    block = reduction_block(L, 512)
+    plan_values = ((b, L // block), block) if cfg_up["A_BF16"] else None
+    return ExpertsLaunch(plan_values, (E, triton.cdiv(inter, cfg_up["BLOCK_N"])),
+                         up, (E, triton.cdiv(triton.cdiv(L, cfg_down["BLOCK_N"]), cols)), down)
 
+
+def launch(run: ExpertsLaunch, q: torch.Tensor, q_scales: torch.Tensor, counts: torch.Tensor,
+           pairs: torch.Tensor, generation: torch.Tensor, rows: torch.Tensor,
+           ws: Workspace) -> torch.Tensor:
+    """``experts`` of checked arguments (at least one pair) with a resolved launch
+    (``resolve``); returns ``rows``."""
+    with quiet():
+        if run.plan_values is not None:
+            # q_values[:b] = the exact BF16 values of the MXFP8 plan (the up launch's A_BF16).
+            grid, block = run.plan_values
+            _plan_values_kernel[grid](q, q_scales, ws.q_values, COLS=q.shape[1], BLOCK=block,
+                                      num_warps=4)
+        _experts_up_kernel[run.up_grid](
+            q_ptr=q, qs_ptr=q_scales, qv_ptr=ws.q_values, counts_ptr=counts, pairs_ptr=pairs,
+            generation_ptr=generation, h_ptr=ws.h_codes, hs_ptr=ws.h_scales, hv_ptr=ws.h_values,
+            **run.up)
+        _experts_down_kernel[run.down_grid](
+            h_ptr=ws.h_codes, hs_ptr=ws.h_scales, hv_ptr=ws.h_values, counts_ptr=counts,
+            pairs_ptr=pairs, generation_ptr=generation, rows_ptr=rows.view(torch.int16),
+            **run.down)
+    return rows
