@@ -246,6 +246,8 @@ def sweep(monkeypatch, tmp_path, model, *extra, fake=Fake):
     # interpreted kernels for the rest of the worker, and the compiled tests after it fail
     # ("Unsupported function referenced: InterpretedFunction", seen on the H200).
     monkeypatch.setattr(tune, "cases", fake(model))
+    # The fake's "plain" kernel is one --kernels may name, as the sweep's own are.
+    monkeypatch.setattr(tune, "KERNELS", (*tune.KERNELS, "plain"))
     monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen, layout: None)
     monkeypatch.setattr(tune, "time_config", model.time)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # --dry-run sets it: restored after the test
