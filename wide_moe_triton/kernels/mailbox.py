@@ -476,10 +476,11 @@ def publish_partial(partial: torch.Tensor, table: torch.Tensor, rank: int, dims:
     check_tensor("table", table, torch.int64, (dims.world,), partial.device)
     if rows == 0:
         return
-    cfg = config or config_for(TAIL_KERNEL, f"N{region.width}_T{dims.world}", rows,
-                               TAIL_DEFAULT, partial.device)
+    cfg = {**TAIL_DEFAULT, **config} if config is not None else config_for(
+        TAIL_KERNEL, f"N{region.width}_T{dims.world}", rows, TAIL_DEFAULT, partial.device)
     grid = (triton.cdiv(rows, cfg["BLOCK_T"]), triton.cdiv(region.width, cfg["BLOCK_C"]))
-    _publish_partial_kernel[grid](
-        partial.view(torch.int16), partial.stride(0), table, rank, dims.world, rows,
-        region.width, region.column, dims.world * dims.columns, dims.columns,
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+    with quiet():
+        _publish_partial_kernel[grid](
+            partial.view(torch.int16), partial.stride(0), table, rank, dims.world, rows,
+            region.width, region.column, dims.world * dims.columns, dims.columns,
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])

@@ -225,11 +225,12 @@ def all_reduce_rms_norm(tail: torch.Tensor, dims: mb.TailDims, rows: int,
     if rows == 0:
         return out
     cfg = norm_config(L, tail.device, config)
-    _all_reduce_rms_norm_kernel[(triton.cdiv(rows, cfg["BLOCK_T"]),)](
-        tail, dims.world * dims.columns, dims.columns, dims.world, spin_limit, error,
-        weight.view(torch.int16), out.view(torch.int16), rows, L, float(eps),
-        PLACE=mb.TAIL_LATENT, BLOCK_T=cfg["BLOCK_T"], BLOCK_L=triton.next_power_of_2(L),
-        num_warps=cfg["num_warps"])
+    with quiet():
+        _all_reduce_rms_norm_kernel[(triton.cdiv(rows, cfg["BLOCK_T"]),)](
+            tail, dims.world * dims.columns, dims.columns, dims.world, spin_limit, error,
+            weight.view(torch.int16), out.view(torch.int16), rows, L, float(eps),
+            PLACE=mb.TAIL_LATENT, BLOCK_T=cfg["BLOCK_T"], BLOCK_L=triton.next_power_of_2(L),
+            num_warps=cfg["num_warps"])
     return out
 
 
@@ -252,10 +253,11 @@ def all_reduce(tail: torch.Tensor, dims: mb.TailDims, rows: int, *, out: torch.T
     cfg = {**REDUCE_DEFAULT, **config} if config is not None else config_for(
         KERNEL_REDUCE, f"H{H}_T{dims.world}", rows, REDUCE_DEFAULT, tail.device)
     grid = (triton.cdiv(rows, cfg["BLOCK_T"]), triton.cdiv(H, cfg["BLOCK_C"]))
-    _all_reduce_kernel[grid](
-        tail, dims.world * dims.columns, dims.columns, dims.latent, dims.world, spin_limit,
-        error, out.view(torch.int16), out.stride(0), rows, H, PLACE=mb.TAIL_HIDDEN,
-        BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
+    with quiet():
+        _all_reduce_kernel[grid](
+            tail, dims.world * dims.columns, dims.columns, dims.latent, dims.world, spin_limit,
+            error, out.view(torch.int16), out.stride(0), rows, H, PLACE=mb.TAIL_HIDDEN,
+            BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return out
 
 
