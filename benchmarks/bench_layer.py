@@ -3,15 +3,16 @@ bandwidth floor, in one run on one GPU (docs/design.md, benchmarks/NOTES.md).
 
     python benchmarks/bench_layer.py [--batches 65 128 256 512 1024] [--shapes tp8 tp16 tp1]
                                      [--out DIR] [--no-peers] [--experts-only]
-                                     [--stock-batches 1 65 ...] [--simulated 2]
-                                     [--dry-run]
+                                     [--layer-only] [--stock-batches 1 65 ...]
+                                     [--simulated 2] [--dry-run]
 
 ``--shapes``: ``tpN`` times rank 0 of T = N at production dims on this one GPU (every
 stage, rank-local shapes); ``tp1`` adds the whole layer (WideMoE eager and CUDA graph
 beside the stock ``LatentMoE``, at 1 and every ``--batches`` width, ``--layer-batches``
 to change them) and a bitwise batch-invariance line (a row alone, inside 65 rows,
-inside the widest). The stock path loops over experts in Python (up to 2 s a call at
-b = 1024): it is timed once a width, after the check call, at ``--stock-batches``.
+inside the widest); ``--layer-only`` leaves tp1's rank stages out. The stock path
+loops over experts in Python (up to 2 s a call at b = 1024): it is timed once a width,
+after the check call, at ``--stock-batches``.
 ``--simulated T`` (T > 1) adds T simulated ranks of the whole layer on this one GPU
 (``SimulatedGroup``: the tail's all-reduces over the mailbox's tail rows, every rank's
 stages one after another on one stream): every rank's output checked for the same bits,
@@ -32,9 +33,10 @@ measured in the same run, or its FLOPs over the BF16 matmul rate measured in the
 where that is larger. Weights that fit in L2 (60 MB on an H200) are rotated through
 copies worth >= 128 MB, so that a stage reads them from HBM as the real layer (other
 layers in between) does. A stage is timed only after its output was checked against
-the stock reference in this run: a fast wrong kernel reports no number. Beside each
-row, the SM clock and board power NVML reads right after its timing: at the board's
-power limit the clock drops, and a timing with it.
+the stock reference in this run: a fast wrong kernel reports no number. The table is
+written after each part, and on SIGTERM (``timeout``'s signal) with every row timed so
+far. Beside each row, the SM clock and board power NVML reads right after its timing: at
+the board's power limit the clock drops, and a timing with it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import gc
 import math
 import os
 import pathlib
+import signal
 import sys
 import time
 import traceback
@@ -703,7 +706,7 @@ def table_lines() -> list[str]:
     return lines
 
 
-def write_outputs(out_dir: pathlib.Path, machine: Machine):
+def write_outputs(out_dir: pathlib.Path, machine: Machine, with_plot: bool = True):
     out_dir.mkdir(parents=True, exist_ok=True)
     for r in ROWS:
         r["speedup"] = speedups(r)
@@ -715,6 +718,8 @@ def write_outputs(out_dir: pathlib.Path, machine: Machine):
              "BF16 matmul rate where larger; speed-up: the peer's time over ours.", ""]
     lines += table_lines() + [""] + [f"- {n}" for n in NOTES]
     (out_dir / "results.md").write_text("\n".join(lines) + "\n")
+    if not with_plot:
+        return
     try:
         plot(out_dir / "layer.png", machine)
     except ImportError:
@@ -781,14 +786,30 @@ def shape_part(stock, tp, label, args, layer_batches, machine) -> None:
     if tp == 1 and not args.experts_only:
         whole_layer(stock, layer_batches, machine, stock_batches=args.stock_batches)
         free_memory()
+        if args.layer_only:
+            return
     stage_rank(stock, dims(tp), 0, args.batches, machine, label,
                with_peers=not args.no_peers, experts_only=args.experts_only)
+
+
+def keep_rows_on_sigterm(out_dir: pathlib.Path, machine) -> None:
+    """On SIGTERM (``timeout``'s signal), write the rows timed so far, then exit 124:
+    a run stopped inside a part keeps the part's finished rows too."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print(f"# SIGTERM: writing the {len(ROWS)} rows timed so far", flush=True)
+        if ROWS:
+            write_outputs(out_dir, machine, with_plot=False)
+        sys.exit(124)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", type=int, nargs="+", default=[65, 128, 256, 512, 1024])
+    # tp1 last: its stock layer's calls take seconds, so a run cut short keeps the others
     p.add_argument("--shapes", nargs="+", default=["tp8", "tp16", "tp1"])
     p.add_argument("--layer-batches", type=int, nargs="+", default=None,
                    help="whole-layer widths at tp1 (default: 1 and every --batches width)")
@@ -800,6 +821,8 @@ def main(argv=None):
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--experts-only", action="store_true",
                    help="time only the experts rows (ours and the peers); no whole layer")
+    p.add_argument("--layer-only", action="store_true",
+                   help="at tp1, the whole layer alone (no rank stages)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny dims on the CPU (interpreter), untimed: checks the script")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -807,8 +830,11 @@ def main(argv=None):
     for label in args.shapes:
         if not (label.startswith("tp") and label[2:].isdigit()):
             p.error(f"--shapes takes tpN (N = tensor-parallel size), got {label!r}")
+    if args.layer_only and args.experts_only:
+        p.error("--layer-only and --experts-only leave nothing to time together")
     layer_batches = args.layer_batches or sorted({1, *args.batches})
     machine = header()
+    keep_rows_on_sigterm(pathlib.Path(args.out), machine)
     if not args.no_peers:
         for name, status in peers.availability().items():
             print(f"# peer {name}: {status}")

@@ -13,6 +13,8 @@ beside our engine.
   module targets that copy's API generation (``routing_from_bitmatrix``, no
   ``SparseMatrix``: vLLM calls it "3.5.1").
 - **vLLM ``fused_moe``**: cannot run; ``FUSED_MOE_ABSENT`` says why.
+- **FlashInfer's CUTLASS fused MoE** (MXFP4 x BF16 on SM90): cannot run;
+  ``FLASHINFER_ABSENT`` says why.
 
 Activation: the peer fuses its own SwiGLU (``gelu*sigmoid(1.702*gelu)*(linear+1)``,
 clamped at 7, vLLM's gpt-oss defaults) where we apply SiTU; the costs are alike (a few
@@ -40,6 +42,7 @@ SWIGLU_LIMIT = 7.0
 CHECK_TOLERANCE = 2e-2  # relative norm error: BF16 outputs are ~3e-3 off; a wrong layout ~1
 MATMUL_OGS = "triton_kernels matmul_ogs mxfp4"
 FUSED_MOE = "vLLM fused_moe"
+FLASHINFER = "FlashInfer cutlass_fused_moe mxfp4 x bf16"
 
 FUSED_MOE_ABSENT = (
     "not run: it is no standalone kernel. vllm/model_executor/layers/fused_moe/"
@@ -50,6 +53,16 @@ FUSED_MOE_ABSENT = (
     "weights: its functional fused_experts raises NotImplementedError for an "
     "ocp_mx_scheme, and vLLM sends MXFP4 MoE on Hopper to the triton_kernels path "
     "measured here (or Marlin)."
+)
+
+FLASHINFER_ABSENT = (
+    "not run: its SM90 kernels are compiled by nvcc on first use, and the fused-MoE "
+    "module is 248 translation units (220 generated CUTLASS GEMM files at 115-270 s each "
+    "with nvcc 13.0: about 11 CPU-hours, over 40 minutes on the GPU machine's 16 cores, "
+    "against 10 minutes a command); its prebuilt kernels (flashinfer-jit-cache, 295 MB "
+    "for SM90a) are not on PyPI and exceed the 64 MiB carry. At TP16 it could not run at "
+    "all: the down GEMM's K = 192 gives 6 scale groups a row, which its SM90 scale "
+    "interleave refuses (benchmarks/NOTES.md, Peers)."
 )
 
 
@@ -110,7 +123,7 @@ def availability() -> dict[str, str]:
         where = f"available ({triton_kernels().path})"
     except PeerUnavailable as err:
         where = f"not run: {err}"
-    return {MATMUL_OGS: where, FUSED_MOE: FUSED_MOE_ABSENT}
+    return {MATMUL_OGS: where, FUSED_MOE: FUSED_MOE_ABSENT, FLASHINFER: FLASHINFER_ABSENT}
 
 
 # ------------------------------------------------------------------ weights, routing

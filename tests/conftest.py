@@ -10,6 +10,63 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+
+def patch_language_once_per_launch() -> None:
+    """Make Triton's interpreter patch ``triton.language`` once per kernel launch instead
+    of again at every call of a ``@triton.jit`` helper inside the kernel.
+
+    The interpreter (Triton 3.9, ``runtime/interpreter.py``) swaps the language's builtins
+    for interpreted ones when a launch starts and swaps them back when it ends; it also
+    calls ``_patch_lang`` at each device-function call, which scans the modules with
+    ``inspect.getmembers`` and finds nothing left to swap when the launch has swapped the
+    same modules already. The kernels call helpers in their inner loops (the MX decode,
+    the bit casts, Triton's own ``tl.max``), so those scans took about a third of a
+    layer's forward in the interpreter (cProfile, tiny dims). Here a helper's call skips
+    the scan when the launch in progress has patched every language module the helper's
+    globals hold: the same builtins run, the same bits come out
+    (tests/test_interpreter.py). Triton's own function stays at
+    ``_patch_lang.original``."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None or not hasattr(interpreter, "_LangPatchScope"):
+        return   # another Triton's interpreter: left as it is, slower
+    active: list[set] = []   # the language modules each launch in progress patched
+
+    def languages(fn) -> set:
+        return {id(v) for v in fn.__globals__.values()
+                if v is interpreter.tl or v is interpreter.tl.core}
+
+    def patch_lang(fn):
+        wanted = languages(fn)
+        if active and wanted <= active[-1]:
+            return interpreter._LangPatchScope()   # nothing to swap, nothing to restore
+        scope = patch_lang.original(fn)
+        if not hasattr(scope, "restore"):
+            return scope   # launches that restore nothing: nothing to track
+        if active:
+            # a helper whose globals reach a module its kernel's did not (Triton's own
+            # tl.max, tl.zeros: triton.language.core): Triton never restores a helper's
+            # patches, so that module stays patched for the rest of the launch
+            active[-1] |= wanted
+            return scope
+        active.append(wanted)
+        restore = scope.restore
+
+        def restore_and_close():
+            active.pop()
+            restore()
+
+        scope.restore = restore_and_close
+        return scope
+
+    patch_lang.original = original
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_language_once_per_launch()
+
 # The interpreter runs a kernel in seconds, not microseconds: few, well-chosen examples.
 settings.register_profile(
     "ci", max_examples=12, deadline=None, derandomize=False, print_blob=True,

@@ -222,6 +222,10 @@ def compile_all(specs, tmp_path, targets=TARGETS) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     here = pathlib.Path(__file__).parent
+    # the script's own folder leads its sys.path, not the repository's: name the
+    # package's root, so that a checkout which was never pip-installed runs it too
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(here.parent),
+                                                      env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, str(here / "compile_specs.py"), str(path)],
                           env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]

@@ -5,6 +5,7 @@
 #          branch) also times the best pairs with that file's kernels
 #   profile  (to find what limits the experts) Nsight Compute over one experts call in
 #          each weight layout and over the matmul_ogs peer's GEMMs, as CSV
+#          (PROFILE_B: the width, default 256; PROFILE_LAYOUTS: default "wgmma wgmma_decode")
 #   tests  the GPU test suite (HYPOTHESIS_PROFILE=gpu-check, 16 workers, each test's
 #          result on its own line so a timeout still names what failed); it compiles
 #          for minutes: more than 530 s on 2026-12-03, hence a call of its own
@@ -16,8 +17,12 @@
 #          call's .partial.json); fold it into autotune_configs/ and copy
 #          $OUT/NVIDIA_H200.md (tuned vs default at every point, same run) to
 #          benchmarks/results/H200-tuning.md before `bench`
-#   bench  bench_layer over tp8, tp1 (whole layer, its batch-invariance line at E = 896),
-#          tp16 (results written after each shape, so a timeout keeps what finished)
+#   layer  the whole layer at T = 1 and at simulated T = 2 (the tail's all-reduces over the
+#          mailbox) at b = 1 / 65 / 1024, eager and graph, the stock layer timed at b = 1
+#          only; then host_overhead.py --gpu (eager minus graph a call at b = 1 / 65 / 1024)
+#   bench  bench_layer over tp8, tp16, then tp1 (whole layer, its batch-invariance line at
+#          E = 896) last, its stock calls being seconds each (BENCH_SHAPES to choose;
+#          results written after each shape and on the timeout's SIGTERM)
 # Every step runs under `timeout`, bounded by what is left of the call's time
 # (BUDGET seconds, default 560), its log under $OUT; a summary is printed last.
 # The peers need .peers/ (benchmarks/NOTES.md, "Peers"). Compiled kernels go to .triton-cache/
@@ -72,10 +77,10 @@ case "${1:-}" in
   profile)
     # Nsight Compute over one experts call (both layouts) and the matmul_ogs peer's GEMMs
     # (benchmarks/diagnostics/profile_experts.py); the details and per-SASS-line source pages as CSV
-    for layout in wgmma wgmma_decode; do
+    for layout in ${PROFILE_LAYOUTS:-wgmma wgmma_decode}; do
       kernels="experts_(up|down)"; [[ $layout == wgmma ]] && kernels="$kernels|matmul_ogs"
       step "ncu_$layout" 200 60 env PYTHONPATH=.peers ncu --clock-control none --set full \
-        -k "regex:$kernels" -o "$OUT/$layout" python benchmarks/diagnostics/profile_experts.py --b 256 \
+        -k "regex:$kernels" -o "$OUT/$layout" python benchmarks/diagnostics/profile_experts.py --b "${PROFILE_B:-256}" \
         --layout "$layout"
       show "ncu_$layout" "rel err|matmul_ogs|Error|ERROR" 5
       if [[ -f "$OUT/$layout.ncu-rep" ]]; then
@@ -123,11 +128,19 @@ case "${1:-}" in
     python -c "import json; t = json.load(open('autotune_configs/NVIDIA_H200.json')); \
 print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     step bench 545 120 env PYTHONPATH=.peers python benchmarks/bench_layer.py \
-      --shapes ${BENCH_SHAPES:-tp8 tp1 tp16} --batches 65 128 256 512 1024 --out "$OUT"
+      --shapes ${BENCH_SHAPES:-tp8 tp16 tp1} --batches 65 128 256 512 1024 --out "$OUT"
     show bench "^# .* done in|batch invariance|^!!|not run|Traceback" 30
     [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
     ;;
-  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|bench" >&2; exit 2 ;;
+  layer)
+    step layer 330 120 python benchmarks/bench_layer.py --shapes tp1 --layer-only --no-peers \
+      --simulated 2 --layer-batches 1 65 1024 --stock-batches 1 --out "$OUT"
+    show layer "^# .* done in|batch invariance|^!!|Traceback|SIGTERM" 20
+    [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
+    step host 150 60 python benchmarks/host_overhead.py --gpu --batches 1 65 1024
+    show host "^\||^NVIDIA|Error|Traceback" 12
+    ;;
+  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|layer|bench" >&2; exit 2 ;;
 esac
 echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
 cat "$SUMMARY"
