@@ -86,6 +86,12 @@ settings.register_profile(
 settings.register_profile(
     "dev", max_examples=3, deadline=None, derandomize=False, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+# A deeper search than CI's, in the interpreter (HYPOTHESIS_PROFILE=deep pytest -n auto):
+# four times its examples where a test takes the profile's count, fresh ones each run
+# (10 minutes on 2 cores; the costliest tests fix their own counts).
+settings.register_profile(
+    "deep", max_examples=48, deadline=None, derandomize=False, print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE",
                                      "gpu" if torch.cuda.is_available() else "ci"))
 QUICK = os.environ.get("HYPOTHESIS_PROFILE") in ("gpu-check", "dev")
