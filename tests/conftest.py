@@ -34,7 +34,7 @@ def patch_language_once_per_launch() -> None:
     active: list[set] = []   # the language modules each launch in progress patched
 
     def languages(fn) -> set:
-        return {id(v) for v in fn.__globals__.values()
+        return {v for v in fn.__globals__.values()
                 if v is interpreter.tl or v is interpreter.tl.core}
 
     def patch_lang(fn):

@@ -114,8 +114,13 @@ def bucket_for(rows: int, buckets) -> str:
     return str(next((w for w in widths if w >= rows), widths[-1]))
 
 
-def config_for(kernel: str, shape: str, rows: int, default: dict, device=None) -> dict:
-    """The launch config of ``kernel`` at dims key ``shape`` for a batch of ``rows``."""
+def config_for(kernel: str, shape: str, rows: int, default: dict, device=None,
+               given: dict | None = None) -> dict:
+    """The launch config of ``kernel`` at dims key ``shape`` for a batch of ``rows``:
+    ``given`` (a caller's config, keys it leaves out from ``default``) when not None,
+    else the tuned table's entry over ``default``."""
+    if given is not None:
+        return {**default, **given}
     forced = _overrides.get(kernel)
     if forced is not None:
         return dict(forced)

@@ -122,8 +122,7 @@ def resolve(b: int, L: int, K: int, has_generation: bool, device,
             config: dict | None = None) -> tuple:
     """(grid, arguments but the tensors) of ``finalize`` at b >= 1 tokens: ``config`` as
     given (missing keys from ``DEFAULT``) or the tuned one, checked."""
-    cfg = {**DEFAULT, **config} if config is not None else config_for(
-        KERNEL, shape_key(L, K), b, DEFAULT, device)
+    cfg = config_for(KERNEL, shape_key(L, K), b, DEFAULT, device, given=config)
     _check_config(cfg)
     pdl = dependent_launch(device)
     return ((triton.cdiv(b, cfg["BLOCK_T"]) * triton.cdiv(L, cfg["BLOCK_L"]),),

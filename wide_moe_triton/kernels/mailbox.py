@@ -476,8 +476,8 @@ def publish_partial(partial: torch.Tensor, table: torch.Tensor, rank: int, dims:
     check_tensor("table", table, torch.int64, (dims.world,), partial.device)
     if rows == 0:
         return
-    cfg = {**TAIL_DEFAULT, **config} if config is not None else config_for(
-        TAIL_KERNEL, f"N{region.width}_T{dims.world}", rows, TAIL_DEFAULT, partial.device)
+    cfg = config_for(TAIL_KERNEL, f"N{region.width}_T{dims.world}", rows, TAIL_DEFAULT,
+                     partial.device, given=config)
     grid = (triton.cdiv(rows, cfg["BLOCK_T"]), triton.cdiv(region.width, cfg["BLOCK_C"]))
     with quiet():
         _publish_partial_kernel[grid](

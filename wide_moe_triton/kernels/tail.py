@@ -182,8 +182,7 @@ def norm_config(L: int, device, config: dict | None = None) -> dict:
     """The launch config of the RMSNorm at L columns, with or without the all-reduce:
     ``config`` over ``DEFAULT``, else the tuned table's narrowest bucket for every batch
     width (its layout fixes the order of the sum of squares)."""
-    cfg = {**DEFAULT, **config} if config is not None else config_for(
-        KERNEL, shape_key(L), 1, DEFAULT, device)
+    cfg = config_for(KERNEL, shape_key(L), 1, DEFAULT, device, given=config)
     _check_config(cfg)
     return cfg
 
@@ -250,8 +249,8 @@ def all_reduce(tail: torch.Tensor, dims: mb.TailDims, rows: int, *, out: torch.T
         raise ValueError("out must have contiguous rows (stride 1 along its last dim)")
     if rows == 0:
         return out
-    cfg = {**REDUCE_DEFAULT, **config} if config is not None else config_for(
-        KERNEL_REDUCE, f"H{H}_T{dims.world}", rows, REDUCE_DEFAULT, tail.device)
+    cfg = config_for(KERNEL_REDUCE, f"H{H}_T{dims.world}", rows, REDUCE_DEFAULT, tail.device,
+                     given=config)
     grid = (triton.cdiv(rows, cfg["BLOCK_T"]), triton.cdiv(H, cfg["BLOCK_C"]))
     with quiet():
         _all_reduce_kernel[grid](
