@@ -130,3 +130,22 @@ def forbid_launches(monkeypatch, module, *kernels: str) -> None:
 
     for name in kernels:
         monkeypatch.setattr(module, name, NoLaunch())
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a GPU the suite's time is compiling, and the tests marked slow compile the most:
+    they start first, so that a run bounded in time (``h200.sh tests``) does not end with
+    one of them running alone on one worker while the others sit idle."""
+    if DEVICE.type == "cuda":
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_runtest_logreport(report):
+    """With WIDE_MOE_TEST_TIMES=FILE, each test phase that took over a second is appended
+    to FILE as it ends (seconds, phase, outcome, test): a run killed at its time limit
+    still says where its time went, which ``--durations`` prints only at the end."""
+    path = os.environ.get("WIDE_MOE_TEST_TIMES")
+    if path and report.duration > 1.0:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.1f}\t{report.when}\t{report.outcome}\t"
+                    f"{report.nodeid}\n")

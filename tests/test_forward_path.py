@@ -170,6 +170,12 @@ def test_empty_batch_everywhere(stock, wide):
 @pytest.mark.parametrize("value", [float("inf"), -float("inf")])
 def test_inf_input_warns_nothing_and_leaves_numpy_alone(wide, value):
     x = inputs(3, 7)
+    # The same calls on finite input first: a GPU without a tuned config for these tiny
+    # shapes warns once per kernel and shape (tuning.config_for), which is not what this
+    # test is about; the checked calls below then warn only if Inf makes them.
+    wide(x)
+    ops.rms_norm(x, torch.ones(H, dtype=torch.bfloat16, device=DEVICE), 1e-6)
+    ops.quantize_mxfp8(x)
     x[1, 5] = value
     before = np.geterr()
     with warnings.catch_warnings():

@@ -20,6 +20,8 @@
 #   layer  the whole layer at T = 1 and at simulated T = 2 (the tail's all-reduces over the
 #          mailbox) at b = 1 / 65 / 1024, eager and graph, the stock layer timed at b = 1
 #          only; then host_overhead.py --gpu (eager minus graph a call at b = 1 / 65 / 1024)
+#   regs   the up launch's register cap where maxnreg 96 spilled in the loop (TP1 b = 512,
+#          TP16 b = 512: the table's entry against 96), then the TP1 whole layer
 #   bench  bench_layer over tp8, tp16, then tp1 (whole layer, its batch-invariance line at
 #          E = 896) last, its stock calls being seconds each (BENCH_SHAPES to choose;
 #          results written after each shape and on the timeout's SIGTERM)
@@ -61,9 +63,14 @@ show() {  # show NAME PATTERN [N]: the log's last N lines matching PATTERN
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv > "$OUT/gpu.txt"
-    step tests 545 60 env HYPOTHESIS_PROFILE=gpu-check python -m pytest -v -rf --tb=short \
-      -n 16 -p no:benchmark -p no:cacheprovider --durations=20 tests/
+    # worksteal: an idle worker takes queued tests from a busy one, so the run does not
+    # end on one worker's queue; $OUT/test_times.txt names every phase over a second as
+    # it ends (conftest.py), also when the limit cuts the run
+    step tests 545 60 env HYPOTHESIS_PROFILE=gpu-check WIDE_MOE_TEST_TIMES="$OUT/test_times.txt" \
+      python -m pytest -v -rf --tb=short -n 16 --dist worksteal -p no:benchmark \
+      -p no:cacheprovider --durations=20 tests/
     show tests "FAILED|ERROR|passed|failed" 30
+    [[ -f "$OUT/test_times.txt" ]] && sort -rn "$OUT/test_times.txt" | head -15 | sed "s/^/  slowest| /" >> "$SUMMARY"
     ;;
   probe)
     # the experts' configs in both Hopper layouts (probe_experts.py), then their GPU tests
@@ -140,7 +147,28 @@ print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     step host 150 60 python benchmarks/host_overhead.py --gpu --batches 1 65 1024
     show host "^\||^NVIDIA|Error|Traceback" 12
     ;;
-  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|layer|bench" >&2; exit 2 ;;
+  regs)
+    # the up launch's register cap at the table's widths where maxnreg 96 spilled inside
+    # the loop (benchmarks/NOTES.md, "A model of the experts launches"): each probe times
+    # the table's config first, then the same at maxnreg 96 (and uncapped at TP1)
+    d='"A_BF16": 1, "num_warps": 4, "num_stages": 3, "MASK_ROWS": 1'
+    u16="{\"BLOCK_M\": 16, \"BLOCK_N\": 64, $d"
+    u32="{\"BLOCK_M\": 32, \"BLOCK_N\": 64, $d, \"HALF_TILE\": 1"
+    step regs_tp1 200 60 python benchmarks/diagnostics/probe_experts.py --tp 1 --batches 512 \
+      --layouts wgmma_decode --no-untiled --up "[$u16, \"maxnreg\": 128}, $u16, \"maxnreg\": 96}, $u16, \"maxnreg\": 0}]" \
+      --down "[{\"BLOCK_M\": 32, \"BLOCK_N\": 256, $d, \"maxnreg\": 0, \"COLS\": 2, \"HALF_TILE\": 1}]"
+    show regs_tp1 "^  (up|down) |^\|" 12
+    step regs_tp16 120 60 python benchmarks/diagnostics/probe_experts.py --tp 16 --batches 512 \
+      --layouts wgmma_decode --no-untiled --up "[$u32, \"maxnreg\": 168}, $u32, \"maxnreg\": 96}]" \
+      --down "[{\"BLOCK_M\": 16, \"BLOCK_N\": 128, $d, \"maxnreg\": 128, \"COLS\": 4}]"
+    show regs_tp16 "^  (up|down) |^\|" 12
+    # then the TP1 whole layer (CUDA graph and eager; the stock layer at b = 65 only)
+    step layer_tp1 400 120 python benchmarks/bench_layer.py --shapes tp1 --layer-only --no-peers \
+      --batches 65 128 256 512 1024 --stock-batches 65 --out "$OUT"
+    show layer_tp1 "^# .* done in|batch invariance|^!!|Traceback|SIGTERM" 20
+    [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
+    ;;
+  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|layer|bench|regs" >&2; exit 2 ;;
 esac
 echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
 cat "$SUMMARY"
