@@ -6,6 +6,7 @@ The fixtures are written here straight from the checkpoint's naming (DESIGN.md,
 loader and the writer shared would still show."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -309,6 +310,99 @@ def test_index_naming_an_absent_file(tmp_path):
         checkpoint.load_layer(path, LAYER)
 
 
+# Files at fault, each named: (edit of a written checkpoint directory, the file's name
+# in it, what the message says). The first shard holds the layer's dense weights and the
+# norm before it, which every entry point reads.
+SHARD = "model-00001-of-00002.safetensors"
+
+
+def _remove(name):
+    return lambda path: (path / name).unlink()
+
+
+def _write(name, text):
+    return lambda path: (path / name).write_bytes(text)
+
+
+def _truncate(name, cut):
+    def edit(path):
+        data = (path / name).read_bytes()
+        (path / name).write_bytes(data[:len(data) - cut] if cut else data[:5])
+    return edit
+
+
+def _index_to(file):
+    def edit(path):
+        index = json.loads((path / checkpoint.INDEX).read_text())
+        index["weight_map"] = {k: file for k in index["weight_map"]}
+        (path / checkpoint.INDEX).write_text(json.dumps(index))
+    return edit
+
+
+def _config_field(name, value):
+    def edit(path):
+        config = json.loads((path / "config.json").read_text())
+        config["text_config"][name] = value
+        (path / "config.json").write_text(json.dumps(config))
+    return edit
+
+
+BROKEN_FILES = {
+    "no config.json": (_remove("config.json"), "config.json", "missing"),
+    "config.json not JSON": (_write("config.json", b'{"text_config": {'), "config.json",
+                             "not JSON"),
+    "config.json a list": (_write("config.json", b"[]"), "config.json", "JSON list"),
+    "config.json NaN eps": (_config_field("rms_norm_eps", float("nan")), "config.json",
+                            "rms_norm_eps = nan: must be a finite number > 0"),
+    "index not JSON": (_write(checkpoint.INDEX, b"weight_map"), checkpoint.INDEX,
+                       "not readable as JSON"),
+    "index without a map": (_write(checkpoint.INDEX, b'{"metadata": {}}'), checkpoint.INDEX,
+                            "weight_map"),
+    "index naming a missing shard": (_index_to("model-00009.safetensors"),
+                                     "model-00009.safetensors", "missing"),
+    "truncated shard": (_truncate(SHARD, 100), SHARD, "not a readable safetensors file"),
+    "shard cut in its header": (_truncate(SHARD, 0), SHARD, "not a readable safetensors"),
+    "shard not safetensors": (_write(SHARD, b"PK\x03\x04 a zip, say" * 8), SHARD,
+                              "not a readable safetensors file"),
+}
+ENTRY_POINTS = {"load_layer": lambda path: checkpoint.load_layer(path, LAYER),
+                "layer_inputs": lambda path: checkpoint.layer_inputs(
+                    path, LAYER, 2, generator=torch.Generator().manual_seed(0))}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+@pytest.mark.parametrize("case", list(BROKEN_FILES))
+def test_broken_file_named(tmp_path, case, entry):
+    edit, name, message = BROKEN_FILES[case]
+    path = write_checkpoint(tmp_path, raw_layer(seed=5))
+    edit(path)
+    with pytest.raises(CheckpointError, match=re.escape(f"{path / name}") + ".*" +
+                       re.escape(message)):
+        ENTRY_POINTS[entry](path)
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_no_directory_named(tmp_path, entry):
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'none'}: no such directory"):
+        ENTRY_POINTS[entry](tmp_path / "none")
+    (tmp_path / "file").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'file'}: not a directory"):
+        ENTRY_POINTS[entry](tmp_path / "file")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path / 'config.json'}: missing"):
+        ENTRY_POINTS[entry](tmp_path)  # an existing directory without a checkpoint
+
+
+def test_shard_without_an_index_named(tmp_path):
+    """Without an index every *.safetensors file is read for its names: one that is not
+    safetensors is named."""
+    path = write_checkpoint(tmp_path, raw_layer(seed=5))
+    (path / checkpoint.INDEX).unlink()
+    (path / "zz.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(CheckpointError, match=re.escape(f"{path / 'zz.safetensors'}: not a "
+                                                        f"readable safetensors file")):
+        checkpoint.weight_map(path)
+
+
 def test_several_moe_prefixes_need_one_named(tmp_path):
     raw = raw_layer(seed=5)
     path = write_checkpoint(tmp_path, raw)
@@ -345,13 +439,13 @@ def test_main_command_on_a_checkpoint(ckpt, capsys):
 
 
 def test_shards_go_to_their_own_ranks(ckpt):
-    parts = [checkpoint.load_layer(ckpt, LAYER, tp=2, rank=r) for r in range(2)]
+    parts = [checkpoint.load_layer(ckpt, LAYER, tp=2, rank=r, device=DEVICE) for r in range(2)]
     with pytest.raises(ValueError, match="holds rank 1 of 2's shard, not rank 0 of 2's"):
         SimulatedGroup(parts[::-1])
     with pytest.raises(ValueError, match="holds rank 0 of 2's shard, not rank 0 of 1's"):
         WideMoE.from_module(parts[0])
     with pytest.raises(ValueError, match="world = 3 for 2"):
         SimulatedGroup(parts, 3)
-    whole = checkpoint.load_layer(ckpt, LAYER)
+    whole = checkpoint.load_layer(ckpt, LAYER, device=DEVICE)
     mixed = SimulatedGroup([parts[0], whole])  # rank 1 cut from the whole layer
     assert torch.equal(mixed.ranks[1].shared_down, parts[1].shared_down)

@@ -2,10 +2,12 @@
 the configs this layer cannot serve refused by field."""
 
 import json
+import math
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
+from conftest import examples
 from wide_moe_triton import WideMoEConfig
 
 
@@ -83,3 +85,65 @@ def test_hf_config_round_trip(experts, top_k, blocks, shared, scale, renormalize
                         renormalize=renormalize, linear_beta=linear_beta, tp=tp, wide_rows=32)
     text = json.loads(json.dumps(cfg.hf_config()))  # as a config.json holds it
     assert WideMoEConfig.from_hf_config(text, tp=tp, wide_rows=32) == cfg
+
+
+# -- the float fields: finite and > 0, named when not ----------------------------------
+
+NAN, INF = float("nan"), float("inf")
+# Each WideMoEConfig float field and the config.json field it is read from (DESIGN.md,
+# "Checkpoint").
+HF_NAMES = {"routed_scaling_factor": "routed_scaling_factor", "beta": "activation_situ_beta",
+            "linear_beta": "activation_situ_linear_beta", "rms_eps": "rms_norm_eps"}
+FLOAT_VALUES = (st.sampled_from([NAN, INF, -INF, 0.0, -0.0, -1.0, -1e-300, 5e-324, 1e308])
+                | st.floats(allow_nan=True, allow_infinity=True)
+                | st.floats(1e-9, 1e3) | st.integers(-3, 3))
+
+
+def in_domain(value) -> bool:
+    """A scale, a SiTU clamp or an epsilon: a finite number above zero."""
+    return math.isfinite(value) and value > 0
+
+
+@settings(max_examples=examples(200))  # no kernel runs: many examples cost little
+@given(field=st.sampled_from(list(HF_NAMES)), value=FLOAT_VALUES)
+def test_float_fields_finite_and_positive(field, value):
+    base = WideMoEConfig.tiny()
+    if in_domain(value):
+        assert getattr(base.replace(**{field: value}), field) == value
+    else:
+        with pytest.raises(ValueError, match=rf"^WideMoEConfig\.{field} must be a finite "
+                                             rf"number > 0, got"):
+            base.replace(**{field: value})
+    # The same value in a config.json (Python's json writes NaN and Infinity, and reads
+    # them back).
+    name = HF_NAMES[field]
+    text = json.loads(json.dumps({"text_config": {**kimi_k3_text_config(), name: value}}))
+    if in_domain(value):
+        assert getattr(WideMoEConfig.from_hf_config(text), field) == value
+    else:
+        with pytest.raises(ValueError, match=rf"^config field {name} = .*must be a finite "
+                                             rf"number > 0"):
+            WideMoEConfig.from_hf_config(text)
+
+
+@pytest.mark.parametrize("field", list(HF_NAMES))
+@pytest.mark.parametrize("value", ["4.0", True, None, [1.0]])
+def test_float_fields_refuse_what_is_not_a_number(field, value):
+    if value is None and field == "linear_beta":  # no clamp of the up input
+        assert WideMoEConfig.tiny().replace(linear_beta=None).linear_beta is None
+        return
+    with pytest.raises(TypeError, match=rf"^WideMoEConfig\.{field} must be a number"):
+        WideMoEConfig.tiny().replace(**{field: value})
+    name = HF_NAMES[field]
+    with pytest.raises(ValueError, match=rf"^config field {name} = .*expected int or float"):
+        WideMoEConfig.from_hf_config({**kimi_k3_text_config(), name: value})
+
+
+@pytest.mark.parametrize("text, why", [("{'hidden_size': 7168,", "not JSON"),
+                                       ("[1, 2]", "holds a JSON list"),
+                                       ("\xff\xfe", "not JSON")])
+def test_config_file_that_is_not_a_json_object_named(tmp_path, text, why):
+    path = tmp_path / "config.json"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"^{path}: {why}"):
+        WideMoEConfig.from_hf_config(tmp_path)

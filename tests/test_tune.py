@@ -240,7 +240,7 @@ class Fake:
         yield plain
 
 
-def sweep(monkeypatch, tmp_path, model, *extra, fake=Fake):
+def sweep(monkeypatch, tmp_path, model, *extra, fake=Fake, out="table.json"):
     # ``ops`` (imported above) has defined every kernel before --dry-run sets
     # TRITON_INTERPRET here: a kernel module first imported under it on a GPU would define
     # interpreted kernels for the rest of the worker, and the compiled tests after it fail
@@ -251,10 +251,44 @@ def sweep(monkeypatch, tmp_path, model, *extra, fake=Fake):
     monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen, layout: None)
     monkeypatch.setattr(tune, "time_config", model.time)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # --dry-run sets it: restored after the test
-    out = tmp_path / "table.json"
-    assert tune.main(["--dry-run", "--quick", "--tp", "1", "--workers", "1", "--out", str(out),
+    out = out and tmp_path / out
+    assert tune.main(["--dry-run", "--quick", "--tp", "1", "--workers", "1",
+                      *(["--out", str(out)] if out else []),
                       "--batches", *map(str, BUCKETS), *extra]) == 0
     return out
+
+
+def test_the_table_goes_to_the_users_directory(monkeypatch, tmp_path):
+    """Without --out the tuner writes into the user's tables' directory (never beside
+    the package)."""
+    tables = tmp_path / "tables"
+    monkeypatch.setenv("WIDE_MOE_CONFIG_DIR", str(tables))
+    assert sweep(monkeypatch, tmp_path, Model(8, 0.0), out=None) is None
+    assert sorted(p.name for p in tables.iterdir()) == [
+        "dry-run.json", "dry-run.md", "dry-run.partial.json"]
+    assert sorted(json.loads((tables / "dry-run.json").read_text())["kernels"]) == [
+        "front", "plain"]
+
+
+def test_some_kernels_fold_into_the_table_the_layer_reads(monkeypatch, tmp_path):
+    """--kernels with no table at --out yet: the sweep folds into the table the layer
+    reads now on this GPU (here the user's), keeping its other kernels."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    current = {"gpu": "Some GPU", "triton": "3.9.0", "date": "2026-12-01",
+               "kernels": {"other": {"S9": {"64": {"X": 1}}}}, "sweep": "by hand"}
+    (tables / "Some_GPU.json").write_text(json.dumps(current))
+    monkeypatch.setenv("WIDE_MOE_CONFIG_DIR", str(tables))
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "Some GPU")
+    tuning.load_table.cache_clear()
+    try:
+        out = sweep(monkeypatch, tmp_path, Model(9, 0.0), "--kernels", "plain")
+    finally:
+        tuning.load_table.cache_clear()
+    table = json.loads(out.read_text())
+    assert table["kernels"]["other"] == current["kernels"]["other"]
+    assert sorted(map(int, table["kernels"]["plain"]["S1"])) == list(BUCKETS)
+    assert "front" not in table["kernels"] and table["sweep"].startswith("by hand; then")
 
 
 def test_sweep_writes_table_report_and_resumes(monkeypatch, tmp_path):
@@ -381,7 +415,7 @@ def test_the_tables_config_is_a_finalist(monkeypatch, tmp_path):
     sweep ranked it below the finalists (X = 5 here, truly the fastest): a sweep replaces
     it only by beating it in the same rounds."""
     monkeypatch.setattr(tune, "_time_again", lambda: True)
-    monkeypatch.setattr(tune, "_shipped_table", lambda args: {
+    monkeypatch.setattr(tune, "_current_table", lambda args: {
         "plain": {"S1": {str(b): {"X": 5} for b in BUCKETS}}})
     model = Misleading(12)
     out = sweep(monkeypatch, tmp_path, model, "--kernels", "plain", "--finalists", "2")
@@ -538,7 +572,8 @@ def test_cli_dry_run_tunes_the_experts_layout_asked_for(tmp_path):
     assert entries[ex.KERNEL_UP][key]["4"]["A_BF16"] == 1
 
 
-@pytest.mark.parametrize("path", sorted(tuning.CONFIG_DIR.glob("*.json")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", sorted(p for p in tuning.SHIPPED.iterdir()
+                                         if p.name.endswith(".json")), ids=lambda p: p.stem)
 def test_shipped_front_entries_lie_in_the_space_and_share_a_reduction(path):
     # Shipped tables are edited by hand too (a probe's best folded in): every front-GEMM
     # entry must be a config the tuner could have chosen, and all buckets of a shape must

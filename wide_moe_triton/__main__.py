@@ -4,12 +4,11 @@ checkpoint (``--checkpoint``)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 
-from .cli import invoked_name
+from . import cli
 
 CPU_BATCHES = [1, 16, 64]  # 64: the tiny config's widest step
 GPU_BATCHES = [1, 65, 257, 1024]
@@ -18,7 +17,9 @@ DESCRIPTION = f"""\
 Build the MoE layer twice over the same random weights: the stock PyTorch module
 (LatentMoE, the definition) and WideMoE (the Triton kernels), send the same random
 batches through both, and print for each batch width how far WideMoE's output is from
-the stock one's. Exits 0 when every width's relative error is below 1e-2.
+the stock one's. Exits 0 when every width's relative error is below 1e-2, 1 when one is
+not or on bad data (a broken checkpoint), 2 on bad arguments; an error is one line
+naming the argument or the file (--debug shows the traceback).
 
 Without a GPU it runs the tiny config (hidden 256, 16 experts) and the kernels run in
 Triton's interpreter, as Python on the CPU: under a minute on two cores. With a GPU it
@@ -44,15 +45,13 @@ Columns:
 """
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> cli.Parser:
     """The command line of ``wide-moe`` (``python -m wide_moe_triton``)."""
-    p = argparse.ArgumentParser(prog=invoked_name("wide_moe_triton"),
-                                description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.Parser("wide_moe_triton", description=DESCRIPTION)
     p.add_argument("--tiny", action="store_true",
                    help="run the tiny config even on a GPU (default: the tiny config on "
                         "CPU, Kimi-K3's dims on a GPU)")
-    p.add_argument("--batches", type=int, nargs="+", metavar="B",
+    p.add_argument("--batches", type=cli.positive_int, nargs="+", metavar="B",
                    help="batch widths to run (default: "
                         f"{' '.join(map(str, CPU_BATCHES))} on CPU, 1 5 64 with --checkpoint "
                         f"on CPU, {' '.join(map(str, GPU_BATCHES))} on a GPU)")
@@ -61,11 +60,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", metavar="DIR",
                    help="run a layer of this Kimi-K3 checkpoint directory, with --layer "
                         "(default: random weights)")
-    p.add_argument("--layer", type=int, metavar="N",
+    p.add_argument("--layer", type=cli.natural_int, metavar="N",
                    help="the MoE layer of --checkpoint to run (default: none)")
-    p.add_argument("--tp", type=int, default=1, metavar="T",
+    p.add_argument("--tp", type=cli.positive_int, default=1, metavar="T",
                    help="simulated tensor-parallel ranks for --checkpoint (default: 1)")
-    p.add_argument("--rank", type=int, metavar="R",
+    p.add_argument("--rank", type=cli.natural_int, metavar="R",
                    help="load only this rank's shard from --checkpoint (default: every "
                         "rank's)")
     p.add_argument("--device", choices=("cpu", "cuda"),
@@ -73,16 +72,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _parse(argv):
-    p = parser()
-    args = p.parse_args(argv)
+def _check(args, p: cli.Parser) -> None:
+    """Refuse (``p.error``, exit 2) the arguments that cannot go together or name no
+    checkpoint directory, before anything is loaded."""
     if (args.checkpoint is None) != (args.layer is None):
         p.error("--checkpoint and --layer go together")
     if args.checkpoint is None and (args.rank is not None or args.tp != 1 or args.device):
         p.error("--tp, --rank and --device go with --checkpoint")
-    if args.rank is not None and not 0 <= args.rank < args.tp:
-        p.error(f"--rank must be in [0, --tp = {args.tp})")
-    return args
+    if args.rank is not None and not args.rank < args.tp:
+        p.error(f"argument --rank: must be in [0, --tp = {args.tp}), got {args.rank}")
+    if args.checkpoint is not None:
+        if not os.path.exists(args.checkpoint):
+            p.error(f"argument --checkpoint: {args.checkpoint}: no such directory")
+        if not os.path.isdir(args.checkpoint):
+            p.error(f"argument --checkpoint: {args.checkpoint} is not a directory; give "
+                    f"the checkpoint's directory (its config.json and *.safetensors)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("argument --device: cuda, but torch sees no CUDA GPU here")
 
 
 def _timed(fn, x, cuda):
@@ -98,7 +107,13 @@ def _timed(fn, x, cuda):
 
 
 def main(argv=None) -> int:
-    args = _parse(argv)
+    """The command: its exit status (0 when WideMoE matches the stock path; 1 on a
+    mismatch or bad data, 2 on bad arguments, each error one line: ``cli.run``)."""
+    return cli.run("wide-moe", parser(), _main, argv)
+
+
+def _main(args, p: cli.Parser) -> int:
+    _check(args, p)
     if args.checkpoint is not None:
         return run_checkpoint(args)
     import torch

@@ -12,7 +12,9 @@ column slice touches every row of its tensor).
 
 Every tensor's presence, dtype and shape are checked against the config before anything
 is read; an E8M0 scale byte 0xFF (NaN) is refused as it is read. Errors are
-``CheckpointError`` (a ValueError) naming the tensor; nothing half-loaded is returned.
+``CheckpointError`` (a ValueError) naming the tensor, or the file where the file itself
+is at fault (no directory, no ``config.json`` or one that is not JSON, an index or a
+shard that is missing, truncated or not safetensors); nothing half-loaded is returned.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import os
 import re
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from . import layout
@@ -32,6 +34,7 @@ from .mx import SCALE_NAN
 from .reference import LatentMoE
 
 INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
 DEFAULT_PREFIX = "language_model.model.layers."
 MAPPED_BYTES = 16 << 20
 # A tensor only latent-MoE layers have: where it is found, the layer is one of ours.
@@ -49,19 +52,75 @@ class CheckpointError(ValueError):
 def weight_map(path) -> dict[str, str]:
     """Tensor name -> shard file name: the index's map, or, without an index, the names
     in every ``*.safetensors`` file of ``path``."""
-    path = os.fspath(path)
+    path = checkpoint_dir(path)
     index = os.path.join(path, INDEX)
     if os.path.exists(index):
-        with open(index) as f:
-            return dict(json.load(f)["weight_map"])
+        return _index_map(index)
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{path}: neither {INDEX} nor *.safetensors files")
     names = {}
     for name in files:
-        with safe_open(os.path.join(path, name), "pt") as f:
+        with _open(path, name) as f:
             names.update(dict.fromkeys(f.keys(), name))
     return names
+
+
+def checkpoint_dir(path) -> str:
+    """``path`` as a string, if it is a directory; else CheckpointError naming it."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such directory")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory (a checkpoint is a directory of "
+                              f"{CONFIG} and *.safetensors shards)")
+    return path
+
+
+def read_config(path, wide_rows: int = 1024) -> WideMoEConfig:
+    """The layer's config from the checkpoint directory ``path``'s ``config.json`` (the
+    whole layer, tp = 1); CheckpointError naming the file where it is missing, not JSON
+    or describes a layer this package cannot serve."""
+    file = os.path.join(checkpoint_dir(path), CONFIG)
+    if not os.path.isfile(file):
+        raise CheckpointError(f"{file}: missing (a checkpoint directory holds the model's "
+                              f"{CONFIG} beside its *.safetensors shards)")
+    try:
+        fields = hf_text_config(file)
+    except (OSError, ValueError) as err:  # their messages name the file
+        raise CheckpointError(str(err)) from None
+    try:
+        return WideMoEConfig.from_hf_config(fields, tp=1, wide_rows=wide_rows)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"{file}: {err}") from None
+
+
+def _index_map(index: str) -> dict[str, str]:
+    """The index file's weight map; CheckpointError naming it where it is not JSON or
+    holds no map of tensor names to file names."""
+    try:
+        with open(index, "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{index}: not readable as JSON ({err})") from None
+    weights = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weights, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weights.items()):
+        raise CheckpointError(f"{index}: \"weight_map\" must map tensor names to file "
+                              f"names")
+    return dict(weights)
+
+
+def _open(path: str, file: str):
+    """``safe_open`` of shard ``file`` of ``path``; CheckpointError naming the file where
+    it is missing, cannot be read or is not safetensors (truncated, another format)."""
+    full = os.path.join(path, file)
+    if not os.path.exists(full):
+        raise CheckpointError(f"{full}: missing (the checkpoint's {INDEX} names it)")
+    try:
+        return safe_open(full, "pt")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointError(f"{full}: not a readable safetensors file ({err})") from None
 
 
 def moe_layers(names, prefix: str | None = None) -> dict[str, list[int]]:
@@ -102,10 +161,10 @@ def load_layer(path, layer: int, *, tp: int = 1, rank: int = 0,
     its ``state_dict()`` holds exactly that rank's slices under the checkpoint's names.
     Only that rank's slices are read. ``prefix``: the names' part before the layer
     number, where the checkpoint holds latent-MoE layers under several."""
-    path = os.fspath(path)
+    path = checkpoint_dir(path)
     if not 0 <= rank < tp:
         raise ValueError(f"rank must be in [0, {tp}), got {rank}")
-    cfg = WideMoEConfig.from_hf_config(path, tp=1, wide_rows=wide_rows)
+    cfg = read_config(path, wide_rows)
     names = weight_map(path)
     base = layer_prefix(path, names, layer, prefix)
     entries = layout.entries(cfg, 1)
@@ -117,7 +176,7 @@ def load_layer(path, layer: int, *, tp: int = 1, rank: int = 0,
     bufs = {name: torch.empty(shape, dtype=dtype, device=device)
             for name, (shape, dtype) in shapes.items()}
     for file, pieces in _read_batches(names, base, entries, world_entries, rank, tp):
-        with safe_open(os.path.join(path, file), "pt") as f:
+        with _open(path, file) as f:
             for piece in pieces:
                 src = f.get_slice(piece.key)[piece.src]
                 if piece.scales:
@@ -190,15 +249,15 @@ def layer_inputs(path, layer: int, b: int, *, generator: torch.Generator,
     is the post-attention RMSNorm's output, so unit-RMS rows times that norm's weight
     (``<prefix>N.post_attention_layernorm.weight``) where the checkpoint has it, else
     unit-RMS rows."""
-    path = os.fspath(path)
+    path = checkpoint_dir(path)
+    hidden = read_config(path).hidden
     names = weight_map(path)
     base = layer_prefix(path, names, layer, prefix)
-    hidden = WideMoEConfig.from_hf_config(path).hidden
     x = torch.randn(b, hidden, generator=generator, device=device)
     x = x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True))
     key = base[:-len("mlp.")] + "post_attention_layernorm.weight"
     if key in names:
-        with safe_open(os.path.join(path, names[key]), "pt") as f:
+        with _open(path, names[key]) as f:
             x = x * f.get_tensor(key).float().to(device)
     return x.to(torch.bfloat16)
 
@@ -272,11 +331,7 @@ def _metadata(path, names: dict[str, str], keys) -> dict[str, tuple]:
             by_file.setdefault(names[key], []).append(key)
     meta = {}
     for file, wanted in by_file.items():
-        full = os.path.join(path, file)
-        if not os.path.exists(full):
-            raise CheckpointError(f"{path}: the index names {file} (for {wanted[0]}), "
-                                  f"which is not there")
-        with safe_open(full, "pt") as f:
+        with _open(path, file) as f:
             held = set(f.keys())
             for key in wanted:
                 if key in held:

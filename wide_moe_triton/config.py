@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 
 MX_BLOCK = 32  # OCP MX v1.0: one shared E8M0 scale per 32 elements along the reduction
+# The float fields, each a finite number > 0 (linear_beta may be None): a NaN or an Inf
+# there passes every later check and makes every output NaN. Beside each, the Hugging
+# Face field ``from_hf_config`` reads it from.
+FLOAT_FIELDS = {"routed_scaling_factor": "routed_scaling_factor",
+                "beta": "activation_situ_beta", "linear_beta": "activation_situ_linear_beta",
+                "rms_eps": "rms_norm_eps"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +63,15 @@ class WideMoEConfig:
         if self.num_experts % self.tp:
             raise ValueError(f"WideMoEConfig.num_experts ({self.num_experts}) must be a "
                              f"multiple of tp ({self.tp})")
-        if self.beta <= 0 or (self.linear_beta is not None and self.linear_beta <= 0):
-            raise ValueError("WideMoEConfig.beta and linear_beta must be positive")
-        if not self.rms_eps > 0:
-            raise ValueError(f"WideMoEConfig.rms_eps must be positive, got {self.rms_eps}")
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if name == "linear_beta" and value is None:
+                continue
+            if not is_number(value):
+                raise TypeError(f"WideMoEConfig.{name} must be a number, got {value!r}")
+            if not finite_positive(value):
+                raise ValueError(f"WideMoEConfig.{name} must be a finite number > 0, got "
+                                 f"{value!r}")
 
     @classmethod
     def kimi_k3(cls, tp: int = 1, wide_rows: int = 1024) -> "WideMoEConfig":
@@ -117,17 +130,20 @@ class WideMoEConfig:
         if "activation_situ_linear_beta" not in f:
             refuse("activation_situ_linear_beta", None, "required (null: the up input "
                    "is not clamped)")
-        linear_beta = f["activation_situ_linear_beta"]
-        number = (int, float)
+
+        def positive(name):
+            value = need(name, (int, float))
+            if not finite_positive(value):
+                refuse(name, value, "must be a finite number > 0")
+            return float(value)
+
+        floats = {field: None if name == "activation_situ_linear_beta" and f[name] is None
+                  else positive(name) for field, name in FLOAT_FIELDS.items()}
         return cls(hidden=need("hidden_size", int), latent=need("routed_expert_hidden_size", int),
                    num_experts=need("num_experts", int), top_k=need("num_experts_per_token", int),
                    expert_intermediate=inter, shared_intermediate=inter * shared,
-                   routed_scaling_factor=float(need("routed_scaling_factor", number)),
-                   renormalize=need("moe_renormalize", bool),
-                   beta=float(need("activation_situ_beta", number)),
-                   linear_beta=None if linear_beta is None else
-                   float(need("activation_situ_linear_beta", number)),
-                   rms_eps=float(need("rms_norm_eps", number)), tp=tp, wide_rows=wide_rows)
+                   renormalize=need("moe_renormalize", bool), tp=tp, wide_rows=wide_rows,
+                   **floats)
 
     def hf_config(self) -> dict:
         """The Hugging Face text-config fields ``from_hf_config`` reads, for this layer
@@ -180,17 +196,38 @@ class WideMoEConfig:
 
 def hf_text_config(path_or_dict) -> dict:
     """The text model's fields of a Hugging Face config (a ``config.json``, its directory,
-    or the parsed dict): its ``text_config`` where it has one, else the config itself."""
+    or the parsed dict): its ``text_config`` where it has one, else the config itself. A
+    file that is not a JSON object raises ValueError naming it; a missing one, the
+    OSError (which names it)."""
     if isinstance(path_or_dict, dict):
         config = path_or_dict
     else:
         path = os.fspath(path_or_dict)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
-        with open(path) as f:
-            config = json.load(f)
+        with open(path, "rb") as f:
+            try:
+                config = json.loads(f.read())
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise ValueError(f"{path}: not JSON ({err})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: holds a JSON {type(config).__name__}, not an object "
+                             f"of config fields")
     text = config.get("text_config")
     return text if isinstance(text, dict) else config
+
+
+def is_number(value) -> bool:
+    """A real number, not a bool (Python's bool is an int)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def finite_positive(value) -> bool:
+    """``value`` (a real number) is finite and > 0."""
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int beyond a float's range
+        return False
 
 
 def _tuple(kind):

@@ -41,7 +41,7 @@ import warnings
 import torch
 from torch import nn
 
-from . import reference
+from . import kernels, reference
 from .checks import check_input, check_tensor
 from .config import WideMoEConfig
 from .kernels import experts as experts_k
@@ -189,6 +189,7 @@ class WideMoE(nn.Module):
         if all_reduce == "mailbox" and weights.world > 1 and scratch.tail is None:
             raise ValueError("all_reduce='mailbox' needs a scratch with tail rows (made by "
                              "WideScratch.symmetric or .simulated); this one has none")
+        kernels.check_device(scratch.device)
         self.cfg, self.rank, self.world = cfg, weights.rank, weights.world
         self.group, self.scratch, self.spin_limit = group, scratch, spin_limit
         self.all_reduce = all_reduce

@@ -1,5 +1,6 @@
-"""``python -m wide_moe_triton.tune``: sweep every kernel's launch configs on this GPU and
-write ``autotune_configs/<GPU name>.json``.
+"""``python -m wide_moe_triton.tune`` (``wide-moe-tune``): sweep every kernel's launch
+configs on this GPU and write ``<GPU name>.json`` in the user's tables' directory
+(``tuning.user_dir``), which the layer searches before the shipped tables.
 
 For each kernel, dims (TP rank-local shapes of Kimi-K3) and batch-width bucket it runs
 each candidate through the kernel's own launch wrapper, checks the output against the
@@ -27,7 +28,6 @@ their medians of those rounds.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import json
@@ -40,8 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import mx, reference, tuning
-from .cli import invoked_name
+from . import cli, mx, reference, tuning
 from .config import WideMoEConfig
 
 BUCKETS = (1, 16, 64, 128, 256, 512, 1024)
@@ -583,14 +582,14 @@ class Group:
 def sweep(args) -> dict:
     out = pathlib.Path(args.out)
     partial = out.with_suffix(".partial.json")
-    done = json.loads(partial.read_text()) if partial.exists() and not args.fresh else {}
+    done = read_json(partial) if partial.exists() and not args.fresh else {}
     args.done = done
     start = time.monotonic()
-    known_table = _shipped_table(args)
+    known_table = _current_table(args)
     for tp in args.tp:
         if _out_of_time(args, start):
             break
-        cfg = WideMoEConfig.tiny(tp=tp) if args.dry_run else WideMoEConfig.kimi_k3(tp=tp)
+        cfg = _dims(args, tp)
         gen = torch.Generator(device="cpu" if args.dry_run else "cuda").manual_seed(tp)
         t0 = time.monotonic()
         weights = random_expert_weights(cfg, gen, args.experts_layout)
@@ -612,9 +611,10 @@ def sweep(args) -> dict:
     return done
 
 
-def _shipped_table(args) -> dict:
-    """The kernels of this GPU's table in ``autotune_configs/`` (what it ships), whose
-    configs the sweep tries as priors; {} when there is none or it is not valid."""
+def _current_table(args) -> dict:
+    """The kernels of the table the layer reads now on this GPU (the user's, else the
+    shipped one: ``tuning.find_table``), whose configs the sweep tries as priors; {} when
+    there is none or it is not valid."""
     try:
         table = tuning.load_table(tuning.gpu_name())
     except ValueError:
@@ -799,12 +799,13 @@ def _fold(old: dict, new: dict, whole: set) -> dict:
 
 def write_table(done: dict, path: pathlib.Path, args=None) -> None:
     """The table of the sweep ``done`` at ``path``. A sweep of some kernels only
-    (``--kernels``) folds into the table already there (``_fold``): the buckets it
-    swept replace theirs, every other entry stays; a shape of a kernel with reduction
-    keys is replaced whole."""
+    (``--kernels``) folds into the table already there, or where there is none into the
+    one the layer reads now on this GPU (``_fold``): the buckets it swept replace theirs,
+    every other entry stays; a shape of a kernel with reduction keys is replaced whole."""
     import triton
 
-    name = tuning.gpu_name() or "interpreter (dry run)"
+    gpu = tuning.gpu_name()
+    name = gpu or "interpreter (dry run)"
     kernels = {k: {s: {b: {n: v for n, v in c.items() if not n.startswith("_")}
                        for b, c in buckets.items()} for s, buckets in shapes.items()}
                for k, shapes in done.items()}
@@ -821,8 +822,8 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
                           f"{' --kernels ' + ' '.join(args.kernels) if args.kernels else ''}"
                           f" (final: {args.finalists} finalists, {args.rounds} rounds)"
                           f"{' (stopped at --time-limit: incomplete)' if args.stopped else ''}")
-        if args.kernels and path.exists():
-            old = json.loads(path.read_text())
+        old = _base_table(path, gpu) if args.kernels else None
+        if old is not None:
             # An entry without the marker (a partial file of an older sweep) is taken
             # as having reduction keys: replaced whole, as every entry was then.
             whole = {(k, s) for k, shapes in done.items() for s, buckets in shapes.items()
@@ -833,6 +834,26 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
     print(f"wrote {path}")
+
+
+def _base_table(path: pathlib.Path, gpu: str | None) -> dict | None:
+    """What a sweep of some kernels folds into: the table at ``path``, else GPU ``gpu``'s
+    table that the layer reads now (``tuning.find_table``: a shipped one, say), else
+    None."""
+    found = path if path.exists() else (tuning.find_table(gpu) if gpu else None)
+    return None if found is None else read_json(found)
+
+
+def read_json(path) -> dict:
+    """The JSON object in file ``path``; ValueError naming the file where it holds none
+    (a table or a partial sweep edited by hand, or cut short)."""
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: holds a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def gains_report(done: dict, title: str) -> str:
@@ -866,120 +887,153 @@ def gains_report(done: dict, title: str) -> str:
 
 
 DESCRIPTION = f"""\
-Tune the layer's Triton kernels for the GPU at hand. For every kernel (routing, the
-MXFP8 plan, the experts' two launches, finalize, the front GEMM and the dense linears of
-the shared expert and the tail), at the rank-local shapes of Kimi-K3 for each
-tensor-parallel degree of --tp and at each batch width of --batches, it tries launch
-configs (tile sizes, warps, pipeline stages, how the reduction is split), checks each
-one's output against the reference on poisoned buffers (a wrong config is never chosen),
-times those that pass, and keeps the fastest; at the end each point's fastest few and
-the default are timed again in interleaved rounds and the least median wins.
+Find the fastest launch settings of the layer's GPU kernels on this GPU and save them
+as a table that the layer reads from then on, on any machine with this GPU model.
 
-How long: with --quick (widths {" ".join(map(str, QUICK_BUCKETS))}, a few candidates a
-point) --tp 8 16 1 took 160-230 s on an H200. Without --quick it sweeps every width of
-{" ".join(map(str, BUCKETS))} and more candidates a point: longer (not measured). A
-progress line (a bar with tqdm installed) shows the kernel and width being swept;
---time-limit bounds the sweep; an interrupted sweep resumes from <table>.partial.json.
+For each kernel of the layer (routing the tokens to experts, the experts' two matrix
+products, adding up each token's expert outputs, the norm, and the dense matrix products
+of the router, the shared expert and the output projection), at the per-rank shapes of
+Kimi-K3 for each tensor-parallel degree of --tp and at each batch width of --batches, it
+tries launch settings (tile sizes, warps, pipeline stages, how a long sum is split),
+checks each one's output against a reference computation (a setting that gives a wrong
+answer is never kept), times those that pass, and keeps the fastest. At the end the
+few fastest and the default are timed again side by side, several times over, and the
+one with the least median time is kept (a GPU's clock drifts over a long sweep).
 
-Where it writes: autotune_configs/<GPU name>.json (the table the layer reads on this
-GPU; --out to write elsewhere) and beside it <GPU name>.md, each tuned config against
-the default at every point with their times. A sweep of some kernels (--kernels) folds
-into the table already there; a sweep of every kernel writes it anew.
+How long: with --quick (widths {" ".join(map(str, QUICK_BUCKETS))}, a few settings each)
+--tp 8 16 1 took 160-230 s on an H200. Without --quick it tries every width of
+{" ".join(map(str, BUCKETS))} and more settings each: longer (not measured). A progress
+line (a bar with tqdm installed) shows the kernel and the width being tried;
+--time-limit bounds the sweep; an interrupted sweep resumes where it stopped (from
+<table>.partial.json).
+
+Where it writes: <GPU name>.json in your tables' directory: $WIDE_MOE_CONFIG_DIR, else
+$XDG_CACHE_HOME/wide_moe_triton, else ~/.cache/wide_moe_triton. The layer looks there
+first, then among the tables the package ships (the H200's). --out writes elsewhere.
+Beside the table, <GPU name>.md: each kept setting against the default, with their
+times. A sweep of some kernels (--kernels) keeps the table's other entries (from the
+table the layer reads now on this GPU, when your directory has none yet); a sweep of
+every kernel writes the table anew.
+
+No GPU: tuning times kernels on the GPU it tunes for, so it needs one. --dry-run runs
+the whole sweep on the CPU instead, in Triton's interpreter at small dims, to see it
+work: it checks every setting and times nothing that matters.
+
+Errors are one line naming the argument or file: exit status 2 for a bad argument, 1
+for a failure while tuning (--debug shows the traceback).
 
 Examples:
   %(prog)s --quick --tp 8 16 1
   %(prog)s --tp 8 16 1 --batches 1 16 64 128 256 512 1024
   %(prog)s --quick --kernels front latent_up
+  %(prog)s --dry-run --quick --tp 1 --batches 4 --kernels finalize
 """
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> cli.Parser:
     """The command line of ``wide-moe-tune`` (``python -m wide_moe_triton.tune``)."""
-    p = argparse.ArgumentParser(prog=invoked_name("wide_moe_triton.tune"),
-                                description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tp", type=int, nargs="+", default=[8, 16, 1], metavar="T",
-                   help="tensor-parallel degrees whose rank-local shapes are tuned "
-                        "(default: 8 16 1)")
-    p.add_argument("--batches", type=int, nargs="+", metavar="B",
-                   help="batch-width buckets to tune (default: "
+    p = cli.Parser("wide_moe_triton.tune", description=DESCRIPTION)
+    p.add_argument("--tp", type=cli.positive_int, nargs="+", metavar="T",
+                   help="tensor-parallel degrees (GPUs a layer is split over) whose per-GPU "
+                        "shapes are tuned (default: 8 16 1; with --dry-run 1)")
+    p.add_argument("--batches", type=cli.positive_int, nargs="+", metavar="B",
+                   help="batch widths (tokens a step) to tune; a batch runs the settings "
+                        "of the narrowest width at least as wide (default: "
                         f"{' '.join(map(str, BUCKETS))}; with --quick "
                         f"{' '.join(map(str, QUICK_BUCKETS))})")
     p.add_argument("--kernels", nargs="+", metavar="KERNEL", choices=KERNELS,
-                   help=f"tune only these kernels, of {', '.join(KERNELS)}; folded into "
-                        "the table at --out (default: every kernel, the table written anew)")
+                   help=f"tune only these kernels, keeping the table's other entries (names: "
+                        f"{', '.join(KERNELS)}) (default: every kernel, the table written "
+                        f"anew)")
     p.add_argument("--experts-layout", metavar="LAYOUT",
-                   help="the experts' weight layout to tune: wgmma_decode, wgmma or nk "
-                        "(default: the one this GPU stores them in, wgmma_decode on "
-                        "Hopper, nk elsewhere); each layout has its own table entries")
+                   help="how the experts' weights are laid out in memory for the tuned "
+                        "kernels (one of wgmma_decode, wgmma, nk); each layout has its own "
+                        "table entries (default: the one this GPU uses, wgmma_decode on "
+                        "Hopper GPUs such as the H100 and H200, nk elsewhere)")
     p.add_argument("--quick", action="store_true",
-                   help=f"a short sweep: buckets {' '.join(map(str, QUICK_BUCKETS))}; the "
-                        f"default, known good configs and their neighbours (3 random "
-                        f"configs more for the cheap kernels; {QUICK_REDUCTIONS}+ reduction "
-                        f"settings for the front GEMMs), {QUICK_REP_MS} ms a measurement, "
-                        f"{QUICK_KERNEL_BUDGET} s a kernel at most (default: off)")
-    p.add_argument("--candidates", type=int, metavar="N",
-                   help="random configs a point besides the neighbours (default: every "
-                        "config of the kernel's space)")
+                   help=f"a short sweep: widths {' '.join(map(str, QUICK_BUCKETS))}; the "
+                        f"default, settings known to be good and their close variants (3 "
+                        f"random settings more for the cheap kernels, {QUICK_REDUCTIONS} or "
+                        f"more ways of splitting the sums of the dense products), "
+                        f"{QUICK_REP_MS} ms a measurement, {QUICK_KERNEL_BUDGET} s a kernel "
+                        f"at most (default: off)")
+    p.add_argument("--candidates", type=cli.natural_int, metavar="N",
+                   help="random settings to try at each point besides the close variants "
+                        "of the best so far (default: every setting)")
     p.add_argument("--seed", type=int, default=0,
-                   help="seed of the random candidates and test data (default: 0)")
+                   help="seed of the random settings and the test data (default: 0)")
     p.add_argument("--fresh", action="store_true",
-                   help="start over, ignoring the .partial.json an interrupted sweep left "
-                        "(default: resume from it)")
+                   help="start over, ignoring what an interrupted sweep left in "
+                        "<table>.partial.json (default: resume from it)")
     p.add_argument("--out", metavar="PATH",
-                   help="the table to write (default: autotune_configs/<GPU name>.json); "
-                        "the report goes beside it as .md")
-    p.add_argument("--workers", type=int, default=min(16, len(os.sched_getaffinity(0))),
-                   metavar="N",
-                   help="threads compiling candidates ahead of timing; 1 compiles each "
-                        "config when first timed (default: this machine's cores, at most "
+                   help="the table to write (default: <GPU name>.json in your tables' "
+                        "directory, see above); the report goes beside it as .md")
+    p.add_argument("--workers", type=cli.positive_int,
+                   default=min(16, len(os.sched_getaffinity(0))), metavar="N",
+                   help="threads compiling settings ahead of timing them; 1 compiles each "
+                        "when it is first timed (default: this machine's cores, at most "
                         "16: %(default)s)")
-    p.add_argument("--time-limit", type=float, metavar="S",
+    p.add_argument("--time-limit", type=cli.positive_float, metavar="S",
                    help="start no kernel after S seconds and write the table of what is "
                         "done (default: no limit)")
-    p.add_argument("--kernel-budget", type=float, metavar="S",
-                   help=f"seconds of timing a kernel's candidates may take (default: "
+    p.add_argument("--kernel-budget", type=cli.positive_float, metavar="S",
+                   help=f"seconds of timing one kernel's settings may take (default: "
                         f"{QUICK_KERNEL_BUDGET} under --quick, else no limit)")
-    p.add_argument("--finalists", type=int, default=FINALISTS, metavar="N",
-                   help=f"the sweep's fastest configs at each point timed again beside the "
-                        f"default (default: {FINALISTS})")
-    p.add_argument("--rounds", type=int, default=ROUNDS, metavar="N",
-                   help=f"interleaved rounds of that final timing; the least median wins "
-                        f"(default: {ROUNDS})")
+    p.add_argument("--finalists", type=cli.positive_int, default=FINALISTS, metavar="N",
+                   help=f"how many of the fastest settings at each point are timed again "
+                        f"beside the default at the end (default: {FINALISTS})")
+    p.add_argument("--rounds", type=cli.positive_int, default=ROUNDS, metavar="N",
+                   help=f"how many times that final timing runs, the settings taking turns; "
+                        f"the least median time wins (default: {ROUNDS})")
     p.add_argument("--dry-run", action="store_true",
-                   help="no GPU needed: tiny dims in Triton's interpreter, to exercise the "
-                        "sweep; times nothing (default: off; writes "
-                        "autotune_configs/dry-run.json unless --out)")
+                   help="no GPU needed: the whole sweep at small dims in Triton's "
+                        "interpreter on the CPU, to see it work; times nothing that "
+                        "matters (default: off; writes dry-run.json in your tables' "
+                        "directory unless --out)")
     return p
 
 
 def main(argv=None) -> int:
-    p = parser()
-    args = p.parse_args(argv)
-    if args.finalists < 1 or args.rounds < 1:
-        p.error(f"--finalists and --rounds must be >= 1, got {args.finalists} and "
-                f"{args.rounds}")
+    """The command: 0 once the table is written; an error is one line (``cli.run``): 2
+    for a bad argument (no GPU without --dry-run included), 1 for a failure."""
+    return cli.run("wide-moe-tune", parser(), _main, argv)
+
+
+def _main(args, p: cli.Parser) -> int:
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"
-        args.out = args.out or "autotune_configs/dry-run.json"
     elif not torch.cuda.is_available():
-        print("tune needs a CUDA GPU (configs are per GPU)", file=sys.stderr)
-        return 2
+        p.error("no CUDA GPU here, and tuning times the kernels on the GPU it tunes for; "
+                "--dry-run runs the sweep on this CPU instead (Triton's interpreter, small "
+                "dims, no timings that matter)")
     # Imported only now: kernels defined before --dry-run sets TRITON_INTERPRET would not
     # run in the interpreter.
     from .kernels.experts import LAYOUTS
     if args.experts_layout is not None and args.experts_layout not in LAYOUTS:
-        p.error(f"--experts-layout must be one of {LAYOUTS}, got {args.experts_layout!r}")
+        p.error(f"argument --experts-layout: must be one of {', '.join(LAYOUTS)}, got "
+                f"{args.experts_layout!r}")
+    args.tp = args.tp or ([1] if args.dry_run else [8, 16, 1])
+    for tp in args.tp:
+        try:
+            _dims(args, tp)
+        except ValueError as err:
+            p.error(f"argument --tp: {tp} does not split the layer's dims ({err})")
+    name = tuning.gpu_name()
+    args.out = args.out or str(tuning.user_dir() / "dry-run.json" if args.dry_run
+                               else tuning.table_path(name))
+    if os.path.isdir(args.out):
+        p.error(f"argument --out: {args.out} is a directory; give the table's file name")
+    if args.kernels:  # the table it folds into, read now rather than after the sweep
+        _base_table(pathlib.Path(args.out), name)
     args.batches = args.batches or list(QUICK_BUCKETS if args.quick else BUCKETS)
     if args.kernel_budget is None and args.quick:
         args.kernel_budget = QUICK_KERNEL_BUDGET
-    args.out = args.out or str(tuning.table_path(tuning.gpu_name()))
     args.stopped = False
     start = time.monotonic()
     done = sweep(args)
     out = pathlib.Path(args.out)
     write_table(done, out, args)
-    name = tuning.gpu_name() or "interpreter (dry run)"
+    name = name or "interpreter (dry run)"
     report = gains_report(done, f"Tuned vs default launch configs, {name} "
                                 f"({datetime.date.today().isoformat()}, "
                                 f"`tune {json.loads(out.read_text())['sweep']}`)")
@@ -988,6 +1042,12 @@ def main(argv=None) -> int:
           f"{time.monotonic() - start:.0f} s" + (" (stopped at the time limit)"
                                                   if args.stopped else ""))
     return 0
+
+
+def _dims(args, tp: int) -> WideMoEConfig:
+    """The dims the sweep tunes at tensor-parallel degree ``tp``: Kimi-K3's, or the tiny
+    config's under --dry-run."""
+    return WideMoEConfig.tiny(tp=tp) if args.dry_run else WideMoEConfig.kimi_k3(tp=tp)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """Per-GPU, per-batch-width launch configs for every kernel.
 
 Each kernel file declares a ``DEFAULT`` config (block sizes, ``num_warps``,
-``num_stages``, …) and a ``SPACE`` of candidates, and asks ``config_for`` at launch. The
-tables live in ``autotune_configs/<GPU name>.json`` (spaces replaced by ``_``), written by
-``python -m wide_moe_triton.tune``; their layout is::
+``num_stages``, …) and a ``SPACE`` of candidates, and asks ``config_for`` at launch. A
+GPU's table is ``<GPU name>.json`` (spaces replaced by ``_``), looked up by name
+(``find_table``) first in the user's directory (``user_dir``: ``$WIDE_MOE_CONFIG_DIR``,
+else ``$XDG_CACHE_HOME/wide_moe_triton``, else ``~/.cache/wide_moe_triton``), where
+``python -m wide_moe_triton.tune`` writes, then among the tables the package ships
+(``wide_moe_triton/autotune_configs/``, package data read through ``importlib.resources``,
+so an installed wheel has them); the first found is the table, whole. Their layout::
 
     {"gpu": "NVIDIA H200", "triton": "3.6.0", "date": "2026-12-02",
      "kernels": {KERNEL: {SHAPE: {BUCKET: {config}}}}}
@@ -22,13 +26,14 @@ new process reads it).
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import json
 import os
 import pathlib
 import warnings
 
-CONFIG_DIR = pathlib.Path(os.environ.get(
-    "WIDE_MOE_CONFIG_DIR", pathlib.Path(__file__).resolve().parent.parent / "autotune_configs"))
+# The tables the package ships (a Traversable: a directory of the installed package).
+SHIPPED = importlib.resources.files(__package__) / "autotune_configs"
 
 _warned: set = set()
 _overrides: dict = {}
@@ -62,8 +67,33 @@ def _device_name(index: int) -> str:
         return torch.cuda.get_device_name(index)
 
 
+def user_dir() -> pathlib.Path:
+    """Where a user's own tables go and are searched first: ``$WIDE_MOE_CONFIG_DIR``,
+    else ``$XDG_CACHE_HOME/wide_moe_triton``, else ``~/.cache/wide_moe_triton``."""
+    given = os.environ.get("WIDE_MOE_CONFIG_DIR")
+    if given:
+        return pathlib.Path(given)
+    cache = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(cache) / "wide_moe_triton"
+
+
+def table_file(name: str) -> str:
+    """The file name of GPU ``name``'s table."""
+    return name.replace(" ", "_").replace("/", "_") + ".json"
+
+
 def table_path(name: str) -> pathlib.Path:
-    return CONFIG_DIR / (name.replace(" ", "_").replace("/", "_") + ".json")
+    """Where the tuner writes GPU ``name``'s table: in ``user_dir()``."""
+    return user_dir() / table_file(name)
+
+
+def find_table(name: str):
+    """GPU ``name``'s table file: the user's (``table_path``) if there is one, else the
+    shipped one, else None (a path, or the package's Traversable)."""
+    for path in (table_path(name), SHIPPED / table_file(name)):
+        if path.is_file():
+            return path
+    return None
 
 
 def _check_table(path: pathlib.Path, table) -> dict:
@@ -96,11 +126,11 @@ def _check_table(path: pathlib.Path, table) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def load_table(name: str | None) -> dict | None:
-    """The parsed table of GPU ``name``, or None when no file exists for it."""
+    """The parsed table of GPU ``name`` (``find_table``'s), or None when there is none."""
     if name is None:
         return None
-    path = table_path(name)
-    if not path.exists():
+    path = find_table(name)
+    if path is None:
         return None
     try:
         table = json.loads(path.read_text())
@@ -133,10 +163,11 @@ def config_for(kernel: str, shape: str, rows: int, default: dict, device=None,
         return config
     if name is not None and (kernel, shape) not in _warned:
         _warned.add((kernel, shape))
-        where = table_path(name) if table is None else f"{table_path(name)} [{kernel}][{shape}]"
+        where = (f"no {table_file(name)} in {user_dir()} or the shipped tables"
+                 if table is None else f"{find_table(name)} has no [{kernel}][{shape}]")
         warnings.warn(f"wide_moe_triton: no tuned config for {kernel} at {shape} on {name} "
-                      f"({where} missing); using the default {default}. Run "
-                      f"`python -m wide_moe_triton.tune` on this GPU.", stacklevel=3)
+                      f"({where}); using the default {default}. Run "
+                      f"`wide-moe-tune` on this GPU.", stacklevel=3)
     return dict(default)
 
 

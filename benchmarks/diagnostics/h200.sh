@@ -14,7 +14,7 @@
 #          on a tiny run
 #   tune   the quick sweep at TP8, TP16, TP1 into $OUT/NVIDIA_H200.json (candidates
 #          compiled in a thread pool first; TUNE_RESUME=FILE goes on from an earlier
-#          call's .partial.json); fold it into autotune_configs/ and copy
+#          call's .partial.json); fold it into wide_moe_triton/autotune_configs/ and copy
 #          $OUT/NVIDIA_H200.md (tuned vs default at every point, same run) to
 #          benchmarks/results/H200-tuning.md before `bench`
 #   layer  the whole layer at T = 1 and at simulated T = 2 (the tail's all-reduces over the
@@ -126,13 +126,13 @@ case "${1:-}" in
     # TUNE_KERNELS="front ...": sweep those kernels only, folded into a copy of the
     # shipped table (tune --kernels folds into the table at --out); TUNE_ARGS: more
     # options (e.g. "--experts-layout wgmma_decode")
-    [[ -n "${TUNE_KERNELS:-}" ]] && cp autotune_configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    [[ -n "${TUNE_KERNELS:-}" ]] && cp wide_moe_triton/autotune_configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
     step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit "${TUNE_LIMIT:-450}" \
       ${TUNE_KERNELS:+--kernels $TUNE_KERNELS} ${TUNE_ARGS:-} --out "$OUT/NVIDIA_H200.json"
     tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
     ;;
   bench)
-    python -c "import json; t = json.load(open('autotune_configs/NVIDIA_H200.json')); \
+    python -c "import json; t = json.load(open('wide_moe_triton/autotune_configs/NVIDIA_H200.json')); \
 print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     step bench 545 120 env PYTHONPATH=.peers python benchmarks/bench_layer.py \
       --shapes ${BENCH_SHAPES:-tp8 tp16 tp1} --batches 65 128 256 512 1024 --out "$OUT"

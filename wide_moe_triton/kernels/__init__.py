@@ -11,9 +11,23 @@ import contextlib
 import os
 
 import numpy as np
+import torch
 
 # Decided once, as ``triton.jit`` decides at import whether the kernels run interpreted.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_device(device) -> None:
+    """Raise RuntimeError naming ``TRITON_INTERPRET=1`` where ``device`` is a CPU and the
+    kernels were defined for a GPU: ``triton.jit`` chooses Triton's interpreter (the only
+    way they run on a CPU) as each kernel is defined, from the environment at import, and
+    their first launch would otherwise fail deep inside Triton."""
+    if torch.device(device).type == "cpu" and not _INTERPRETED:
+        raise RuntimeError(
+            f"device {device}: the kernels run on a CPU only in Triton's interpreter, and "
+            f"they were imported without it; set TRITON_INTERPRET=1 in the environment "
+            f"before wide_moe_triton is imported (e.g. TRITON_INTERPRET=1 python ...), or "
+            f"use a CUDA device")
 
 
 def quiet():
