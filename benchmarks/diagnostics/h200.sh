@@ -21,7 +21,8 @@
 #          mailbox) at b = 1 / 65 / 1024, eager and graph, the stock layer timed at b = 1
 #          only; then host_overhead.py --gpu (eager minus graph a call at b = 1 / 65 / 1024)
 #   regs   the up launch's register cap where maxnreg 96 spilled in the loop (TP1 b = 512,
-#          TP16 b = 512: the table's entry against 96), then the TP1 whole layer
+#          TP16 b = 512: the table's entry against 96), a fourth stage at TP8, then the
+#          TP1 whole layer
 #   bench  bench_layer over tp8, tp16, then tp1 (whole layer, its batch-invariance line at
 #          E = 896) last, its stock calls being seconds each (BENCH_SHAPES to choose;
 #          results written after each shape and on the timeout's SIGTERM)
@@ -162,6 +163,12 @@ print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
       --layouts wgmma_decode --no-untiled --up "[$u32, \"maxnreg\": 168}, $u32, \"maxnreg\": 96}]" \
       --down "[{\"BLOCK_M\": 16, \"BLOCK_N\": 128, $d, \"maxnreg\": 128, \"COLS\": 4}]"
     show regs_tp16 "^  (up|down) |^\|" 12
+    # the model's lever (NOTES, "A model of the experts launches"): a fourth stage, more
+    # bytes in flight at the same programs a SM (no spill in the loop at 4 stages, AOT)
+    step stages_tp8 130 60 python benchmarks/diagnostics/probe_experts.py --tp 8 --batches 256 1024 \
+      --layouts wgmma_decode --no-untiled --up "[$u16, \"maxnreg\": 128}, $u16, \"maxnreg\": 128, \"num_stages\": 4}]" \
+      --down "[{\"BLOCK_M\": 16, \"BLOCK_N\": 128, $d, \"maxnreg\": 128, \"COLS\": 4}, {\"BLOCK_M\": 16, \"BLOCK_N\": 128, $d, \"maxnreg\": 128, \"COLS\": 4, \"num_stages\": 4}]"
+    show stages_tp8 "^  (up|down) |^\|" 12
     # then the TP1 whole layer (CUDA graph and eager; the stock layer at b = 65 only)
     step layer_tp1 400 120 python benchmarks/bench_layer.py --shapes tp1 --layer-only --no-peers \
       --batches 65 128 256 512 1024 --stock-batches 65 --out "$OUT"
