@@ -145,7 +145,8 @@ def pytest_runtest_logreport(report):
     to FILE as it ends (seconds, phase, outcome, test): a run killed at its time limit
     still says where its time went, which ``--durations`` prints only at the end."""
     path = os.environ.get("WIDE_MOE_TEST_TIMES")
-    if path and report.duration > 1.0:
+    # under pytest-xdist the controller gets every worker's reports too: it alone writes
+    if path and report.duration > 1.0 and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(path, "a") as f:
             f.write(f"{report.duration:.1f}\t{report.when}\t{report.outcome}\t"
                     f"{report.nodeid}\n")

@@ -201,6 +201,9 @@ def test_candidates_crowded_into_one_group(candidates, spread):
     assert_route_matches(logits, bias, top_k, True, 1.0, ids, weights)
 
 
+# slow: K = E unrolls the selection E times, minutes of compiling on a GPU (108 s for
+# E = 64 on an H100), so the GPU run starts it first (conftest)
+@pytest.mark.slow
 @pytest.mark.parametrize("experts", [64, 100])
 def test_every_expert_chosen_with_ties(experts):
     """K = E over groups of several experts: every expert is a candidate, every slot

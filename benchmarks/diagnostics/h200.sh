@@ -155,6 +155,7 @@ print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
     d='"A_BF16": 1, "num_warps": 4, "num_stages": 3, "MASK_ROWS": 1'
     u16="{\"BLOCK_M\": 16, \"BLOCK_N\": 64, $d"
     u32="{\"BLOCK_M\": 32, \"BLOCK_N\": 64, $d, \"HALF_TILE\": 1"
+    # (TP1's probe holds three layouts of 896 experts: it needs the H200's memory)
     step regs_tp1 200 60 python benchmarks/diagnostics/probe_experts.py --tp 1 --batches 512 \
       --layouts wgmma_decode --no-untiled --up "[$u16, \"maxnreg\": 128}, $u16, \"maxnreg\": 96}, $u16, \"maxnreg\": 0}]" \
       --down "[{\"BLOCK_M\": 32, \"BLOCK_N\": 256, $d, \"maxnreg\": 0, \"COLS\": 2, \"HALF_TILE\": 1}]"
