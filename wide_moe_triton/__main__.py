@@ -98,6 +98,10 @@ def _timed(fn, x, cuda):
 
 
 def main(argv=None) -> int:
+    from . import launch
+
+    if launch.under_torchrun():  # a rank of torchrun: tensor parallelism over processes
+        return launch.main(argv)
     args = _parse(argv)
     if args.checkpoint is not None:
         return run_checkpoint(args)
