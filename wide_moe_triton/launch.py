@@ -326,9 +326,10 @@ def _run(args, me: Rank) -> int:
         gathered: list = [None] * me.world
         dist.all_gather_object(gathered, (bits_digest(out), seconds), group=me.group)
         same = len({h for h, _ in gathered}) == 1
-        if args.all_ranks:
-            print(f"rank {me.rank}: b = {b} {seconds:.4f} s, output sha256 "
-                  f"{gathered[me.rank][0][:16]}", flush=True)
+        if args.all_ranks:  # one write a line: the ranks share the terminal
+            sys.stdout.write(f"rank {me.rank}: b = {b} {seconds:.4f} s, output sha256 "
+                             f"{gathered[me.rank][0][:16]}\n")
+            sys.stdout.flush()
         if me.rank == 0:
             diff = out.float() - ref.float()
             rel = (diff.norm() / ref.float().norm()).item()
