@@ -67,9 +67,12 @@ class Ranks:
         self.close()
 
     def call(self, job: str, ranks=None, timeout: float | None = None, **kwargs) -> list:
+        """``job_<job>(**kwargs)`` on ``ranks`` (all by default); ``rank<r>=dict(...)``
+        gives rank r its own arguments instead."""
         ranks = range(self.world) if ranks is None else ranks
+        own = {r: kwargs.pop(f"rank{r}") for r in range(self.world) if f"rank{r}" in kwargs}
         for r in ranks:
-            self.conns[r].send((job, kwargs.get(f"rank{r}", kwargs)))
+            self.conns[r].send((job, own.get(r, kwargs)))
         deadline = time.monotonic() + (timeout or self.timeout)
         replies = []
         for r in ranks:

@@ -14,8 +14,9 @@ process's addresses of them), a barrier, then every rank unlinks every name. Fro
 on no name is left to leak, whatever happens to any process: the memory lives while a
 process maps it and goes back to the system when the last one exits. If construction
 fails anywhere (a peer died: the barrier raises), every surviving rank unlinks every
-name of the group, a dead peer's too; a finalizer unlinks them at exit if the
-construction never got that far.
+name of the group, a dead peer's too. Only if every rank is killed (SIGKILL, or a
+SIGTERM while blocked in a barrier) between the first create and the unlink do files
+stay behind; their names start with ``PREFIX``.
 
 Peer liveness: each rank keeps its peers' process ids; ``gone`` says which of some
 ranks' processes have exited (``/proc``), so a poll waiting on a dead peer stops at once
@@ -29,7 +30,6 @@ import hashlib
 import os
 import secrets
 import socket
-import weakref
 
 import torch
 
@@ -164,8 +164,6 @@ class SharedSegments:
         self.pids = [p.pid for p in peers]
         self.names = [segment_name(token, r, key) for r in range(self.world) for key in shapes]
         paths = [os.path.join(SHM_DIR, n) for n in self.names]
-        # Unlinks the names at exit should this construction never reach its own unlink.
-        finalizer = weakref.finalize(self, _unlink, paths)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         try:
             for key, shape in shapes.items():
@@ -182,7 +180,6 @@ class SharedSegments:
             # Built: no process needs a name any more. Failed (a peer died): the survivors
             # remove every name of the group, the dead peer's too.
             _unlink(paths)
-            finalizer.detach()
         self.local = {key: bufs[self.rank] for key, bufs in self.peers.items()}
         self.table = {key: torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
                       for key, bufs in self.peers.items()}
