@@ -127,17 +127,17 @@ def quad(tmp_path_factory):
 
 
 @pytest.mark.slow  # 65 rows a rank in the interpreter
-@pytest.mark.parametrize("world", [2, 4])
 @given(seed=st.integers(0, 2 ** 16), row=st.integers(0, 64))
 @settings(max_examples=1)
-def test_batch_invariance_across_processes(request, world, seed, row):
+def test_batch_invariance_across_processes(pair, seed, row):
     # A row alone, inside 65 rows (nine calls of wide_rows = 8: the row sits in a call
-    # of 8 or in the last call of 1) holds the same bits on every rank.
-    ranks = request.getfixturevalue("pair" if world == 2 else "quad")
-    build(ranks)
-    wide = as_bits(ranks.call("forward", b=65, seed=seed))
-    alone = as_bits(ranks.call("forward", b=65, seed=seed, rows=slice(row, row + 1)))
-    for r in range(world):
+    # of 8 or in the last call of 1) holds the same bits on every rank. At T = 4 the
+    # processes' bits are SimulatedGroup's (above), whose batch invariance at T = 4
+    # test_module checks: the four-process case would add half a minute of CI for it.
+    build(pair)
+    wide = as_bits(pair.call("forward", b=65, seed=seed))
+    alone = as_bits(pair.call("forward", b=65, seed=seed, rows=slice(row, row + 1)))
+    for r in range(2):
         assert (wide[r][row] == alone[r][0]).all(), f"rank {r}, row {row}"
         assert (wide[r] == wide[0]).all()
 
