@@ -108,7 +108,13 @@ def _timed(fn, x, cuda):
 
 def main(argv=None) -> int:
     """The command: its exit status (0 when WideMoE matches the stock path; 1 on a
-    mismatch or bad data, 2 on bad arguments, each error one line: ``cli.run``)."""
+    mismatch or bad data, 2 on bad arguments, each error one line: ``cli.run``). Under
+    torchrun (its variables set) every rank runs the tensor-parallel launcher instead
+    (``launch.main``, the same exit statuses and 3 for a failed peer)."""
+    from . import launch
+
+    if launch.under_torchrun():  # a rank of torchrun: tensor parallelism over processes
+        return launch.main(argv)
     return cli.run("wide-moe", parser(), _main, argv)
 
 

@@ -54,6 +54,10 @@ from .kernels import tail as tail_k
 from .sharding import RankShard, shard
 
 ALL_REDUCES = ("mailbox", "nccl")  # the tail's all-reduces (``WideMoE``)
+# CPU ranks as processes: how long a rank waits for its peers' words before it raises
+# naming them. A healthy peer lags by at most its share of one call in Triton's
+# interpreter (seconds at the tiny dims); this leaves room for a loaded machine.
+DEFAULT_POLL_TIMEOUT = 60.0
 
 
 class WideScratch:
@@ -63,15 +67,19 @@ class WideScratch:
     ``mailbox``, ``table``: this rank's mailbox buffer and the table of every rank's
     buffer pointers; ``tail``, ``tail_table``: the same for the tail rows of the
     all-reduces (T > 1; None where the all-reduces are NCCL's). Built by ``local`` (T = 1
-    or CPU), ``simulated`` (T ranks in one process) or ``symmetric`` (real symmetric
-    memory over a process group)."""
+    or CPU), ``simulated`` (T ranks in one process), or over a process group by
+    ``for_group``: ``symmetric`` (CUDA, real symmetric memory) or ``shared_memory`` (CPU
+    ranks as processes, POSIX shared memory; ``segments`` then holds the mappings and the
+    peers' process ids)."""
 
     def __init__(self, cfg: WideMoEConfig, device, mailbox: torch.Tensor, table: torch.Tensor,
-                 tail: torch.Tensor | None = None, tail_table: torch.Tensor | None = None):
+                 tail: torch.Tensor | None = None, tail_table: torch.Tensor | None = None,
+                 segments=None):
         R, E, K, L = cfg.wide_rows, cfg.num_experts, cfg.top_k, cfg.latent
         dev = torch.device(device)
         self.cfg, self.device = cfg, dev
         self.mailbox, self.table = mailbox, table
+        self.segments = segments
         self.tail, self.tail_table, self.tail_dims = tail, tail_table, None
         if tail is not None:
             self.tail_dims = mailbox_k.tail_dims(cfg)
@@ -123,12 +131,51 @@ class WideScratch:
                 for box, tail in zip(boxes, tails)]
 
     @classmethod
+    def for_group(cls, cfg: WideMoEConfig, device, group, tail: bool = True) -> "WideScratch":
+        """The buffers of one rank of ``group`` (collective: every rank calls it), in the
+        memory its device's ranks share: ``symmetric`` on a GPU, ``shared_memory`` on the
+        CPU. ``tail``: whether to make the tail rows (the mailbox's all-reduces)."""
+        if torch.device(device).type == "cpu":
+            return cls.shared_memory(cfg, group, tail)
+        return cls.symmetric(cfg, device, group, tail)
+
+    @classmethod
+    def shared_memory(cls, cfg: WideMoEConfig, group, tail: bool = True) -> "WideScratch":
+        """CPU ranks as processes of one host over ``group`` (gloo): each rank's mailbox
+        and tail rows in POSIX shared memory, every peer's mapped here and reached through
+        this process's pointer tables (``processes.SharedSegments``); armed, then a
+        barrier, so no peer publishes into a buffer not yet armed. Collective."""
+        import torch.distributed as dist
+
+        from .processes import SharedSegments
+
+        world = dist.get_world_size(group)
+        if world != cfg.tp:
+            raise ValueError(f"cfg.tp is {cfg.tp} but the group has {world} ranks")
+        dims = mailbox_k.mailbox_dims(cfg)
+        shapes = {"mailbox": (2, dims.wide_rows, dims.columns)}
+        if tail:
+            t = mailbox_k.tail_dims(cfg)
+            shapes["tail"] = (t.wide_rows, t.world, t.columns)
+        segments = SharedSegments(group, shapes)
+        mailbox_k.arm_mailbox(segments.local["mailbox"], cfg.latent)
+        if tail:
+            mailbox_k.arm_tail(segments.local["tail"])
+        dist.barrier(group=group)  # every peer armed before anyone publishes
+        return cls(cfg, "cpu", segments.local["mailbox"], segments.table["mailbox"],
+                   segments.local.get("tail"), segments.table.get("tail"), segments=segments)
+
+    @classmethod
     def symmetric(cls, cfg: WideMoEConfig, device, group, tail: bool = True) -> "WideScratch":
         """Real symmetric memory over ``group`` (NCCL, one GPU a rank): each rank's buffers
         (the mailbox, and the tail rows unless ``tail`` is False) are reachable by every
         peer; multicast is never used, publish stores to each peer."""
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
+
+        if torch.device(device).type != "cuda":
+            raise ValueError(f"symmetric memory needs a CUDA device, got {device}; CPU "
+                             "ranks share memory through WideScratch.shared_memory")
 
         name = (group.group_name if hasattr(group, "group_name")
                 else dist.group.WORLD.group_name)
@@ -152,12 +199,21 @@ class WideScratch:
         return cls(cfg, device, box, table, tail_rows, tail_ptrs)
 
     def rearm(self) -> None:
-        """Empty both parities of this rank's mailbox and its tail rows and clear the error
-        record (after a poll timed out; every rank must do it, with no call in flight)."""
+        """Back to a fresh scratch's state after a poll timed out: both parities of this
+        rank's mailbox and its tail rows empty, the error record clear, the call counter
+        and the routing lists' counts at zero (a call that raised part way left ranks
+        one call apart). Every rank must do it, with no call in flight, before the next."""
         mailbox_k.arm_mailbox(self.mailbox, self.cfg.latent)
         if self.tail is not None:
             mailbox_k.arm_tail(self.tail)
         self.error.zero_()
+        self.lists.generation.zero_()
+        self.lists.counts.zero_()
+
+    def gone(self, ranks) -> list[int]:
+        """Those of ``ranks`` whose process is known to have exited (shared memory only:
+        ranks in processes of this host); [] where that cannot be known."""
+        return [] if self.segments is None else self.segments.gone(ranks)
 
 
 class WideMoE(nn.Module):
@@ -173,7 +229,11 @@ class WideMoE(nn.Module):
     Mailbox timeouts: a poll (the front's or the tail's) gives up after ``spin_limit``
     rounds and records the missing ranks on the device. On CPU every forward raises on
     it; on a GPU reading the record is a sync, so ``check_mailbox()`` is left to the
-    caller (e.g. once a step).
+    caller (e.g. once a step). ``poll_timeout`` (seconds; CPU ranks as processes): before
+    each polling launch the host waits for the peers' words at most that long, or until a
+    missing peer's process is found gone, and raises naming the missing ranks
+    (``mailbox.await_published``): in Triton's interpreter a poll round takes
+    milliseconds, so the bound is in time there.
 
     ``all_reduce``: "mailbox" (the tail's all-reduces over the scratch's tail rows, fixed
     rank order: every rank holds the same bits at every batch width) or "nccl"
@@ -182,17 +242,25 @@ class WideMoE(nn.Module):
 
     def __init__(self, cfg: WideMoEConfig, weights: RankShard, scratch: WideScratch,
                  group=None, spin_limit: int = mailbox_k.DEFAULT_SPIN_LIMIT,
-                 all_reduce: str = "mailbox"):
+                 all_reduce: str = "mailbox", poll_timeout: float | None = None):
         super().__init__()
         if all_reduce not in ALL_REDUCES:
             raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
+        if poll_timeout is not None and not (
+                isinstance(poll_timeout, (int, float)) and not isinstance(poll_timeout, bool)
+                and 0 < poll_timeout < float("inf")):
+            raise ValueError(f"poll_timeout must be a positive number of seconds or None, "
+                             f"got {poll_timeout!r}")
+        if poll_timeout is not None and scratch.device.type != "cpu":
+            raise ValueError("poll_timeout bounds the waits of CPU ranks; on a GPU the "
+                             "polls are bounded in rounds (spin_limit)")
         if all_reduce == "mailbox" and weights.world > 1 and scratch.tail is None:
             raise ValueError("all_reduce='mailbox' needs a scratch with tail rows (made by "
-                             "WideScratch.symmetric or .simulated); this one has none")
+                             "WideScratch.for_group or .simulated); this one has none")
         kernels.check_device(scratch.device)
         self.cfg, self.rank, self.world = cfg, weights.rank, weights.world
         self.group, self.scratch, self.spin_limit = group, scratch, spin_limit
-        self.all_reduce = all_reduce
+        self.all_reduce, self.poll_timeout = all_reduce, poll_timeout
         # The exchange over the tail rows: only across ranks (at T = 1 the sums are the
         # partials themselves, and the tail is the plain RMSNorm).
         self.mailbox_tail = all_reduce == "mailbox" and self.world > 1
@@ -218,38 +286,62 @@ class WideMoE(nn.Module):
     @classmethod
     def from_module(cls, stock: reference.LatentMoE, group=None, *,
                     scratch: WideScratch | None = None, device=None,
-                    all_reduce: str | None = None) -> "WideMoE":
+                    all_reduce: str | None = None,
+                    poll_timeout: float | None = None) -> "WideMoE":
         """A ``WideMoE`` over ``stock``'s weights, sharded for ``group`` (a
         ``torch.distributed`` process group; None = one rank): sliced out of a whole
         layer, or taken as it is where ``stock`` holds this rank's shard (``checkpoint.
         load_layer``). ``scratch``: the model's shared buffers (one per model, made here if
-        None). ``all_reduce``: "mailbox" or "nccl" (see the class); None: "mailbox" unless
-        ``scratch`` was made without tail rows (then "nccl", with a warning)."""
+        None: ``WideScratch.for_group``, symmetric memory on a GPU, shared memory on the
+        CPU). ``all_reduce``: "mailbox" or "nccl" (see the class); None: "mailbox" unless
+        ``scratch`` was made without tail rows (then "nccl", with a warning).
+        ``poll_timeout``: seconds (see the class); None: ``DEFAULT_POLL_TIMEOUT`` for CPU
+        ranks of a group, none elsewhere (a GPU's polls are bounded in rounds).
+
+        Over a group this is collective: every rank checks that its peers build the same
+        layer (``processes.agree``: the config, the all-reduce, the weights every rank
+        holds alike) before any buffer is made, and raises naming the field if not."""
+        return cls._build(stock, group, scratch=scratch, device=device,
+                          all_reduce=all_reduce, poll_timeout=poll_timeout, layer=None)
+
+    @classmethod
+    def _build(cls, stock, group, *, scratch, device, all_reduce, poll_timeout,
+               layer) -> "WideMoE":
         rank, world = _rank_world(group)
         device = torch.device(device) if device is not None else stock.gate_weight.device
         cfg = stock.cfg.replace(tp=world)
-        if scratch is None:
-            scratch = (WideScratch.local(cfg, device) if world == 1 else WideScratch.symmetric(
-                cfg, device, group, tail=all_reduce != "nccl"))
-        _check_scratch(scratch, cfg, device)
         if all_reduce is None:
             all_reduce = "mailbox"
-            if world > 1 and scratch.tail is None:
+            if world > 1 and scratch is not None and scratch.tail is None:
                 all_reduce = "nccl"
                 warnings.warn("wide_moe_triton: the scratch has no tail rows, so the tail's "
                               "all-reduces run on NCCL (a token's bits may then depend on "
-                              "the batch width)", stacklevel=2)
-        return cls(cfg, _to(shard(stock, rank, world), device), scratch, group=group,
-                   all_reduce=all_reduce)
+                              "the batch width)", stacklevel=3)
+        weights = shard(stock, rank, world)
+        if world > 1:
+            from . import processes
+
+            processes.agree(group, processes.identity(cfg, weights, all_reduce=all_reduce,
+                                                      device=device, layer=layer))
+        if scratch is None:
+            scratch = (WideScratch.local(cfg, device) if world == 1 else WideScratch.for_group(
+                cfg, device, group, tail=all_reduce != "nccl"))
+        _check_scratch(scratch, cfg, device)
+        if poll_timeout is None and world > 1 and device.type == "cpu":
+            poll_timeout = DEFAULT_POLL_TIMEOUT
+        return cls(cfg, _to(weights, device), scratch, group=group, all_reduce=all_reduce,
+                   poll_timeout=poll_timeout)
 
     @classmethod
     def from_checkpoint(cls, path, layer: int, group=None, *, scratch: WideScratch | None = None,
                         device=None, wide_rows: int = 1024, prefix: str | None = None,
-                        all_reduce: str | None = None) -> "WideMoE":
+                        all_reduce: str | None = None,
+                        poll_timeout: float | None = None) -> "WideMoE":
         """A ``WideMoE`` of MoE layer ``layer`` of the checkpoint in ``path`` (see
         ``checkpoint``), sharded for ``group`` (None = one rank): this rank reads only
         its own slices. ``device``: default the current CUDA device, else the CPU.
-        ``all_reduce``: as ``from_module``."""
+        ``all_reduce``, ``poll_timeout``: as ``from_module``, which this is, collective
+        over a group; the ranks also check that they load the same ``layer``."""
         from . import checkpoint
 
         rank, world = _rank_world(group)
@@ -259,8 +351,8 @@ class WideMoE(nn.Module):
         stock = checkpoint.load_layer(path, layer, tp=world, rank=rank, device=device,
                                       wide_rows=wide_rows, prefix=prefix)
         # The weights' device names its index ("cuda" -> "cuda:0"), as inputs' devices do.
-        return cls.from_module(stock, group, scratch=scratch, device=stock.gate_weight.device,
-                               all_reduce=all_reduce)
+        return cls._build(stock, group, scratch=scratch, device=stock.gate_weight.device,
+                          all_reduce=all_reduce, poll_timeout=poll_timeout, layer=layer)
 
     @property
     def experts(self) -> experts_k.ExpertWeights:
@@ -309,6 +401,10 @@ class WideMoE(nn.Module):
 
     def _routed(self, plan: "LaunchPlan") -> torch.Tensor:
         s = self.scratch
+        if self.poll_timeout is not None:
+            parity = int(s.lists.generation[0]) & 1
+            self._await(lambda: mailbox_k.missing_in_mailbox(
+                s.mailbox, parity, plan.b, self.cfg.latent, self.world), parity)
         route_k.launch(plan.route)
         ids, weights, q, q_scales = plan.routed
         lists = s.lists
@@ -361,6 +457,7 @@ class WideMoE(nn.Module):
         rows [b, H]."""
         s, cfg = self.scratch, self.cfg
         if self.mailbox_tail:
+            self._await_tail(latent.shape[0], "latent")
             normed = tail_k.all_reduce_rms_norm(
                 s.tail, s.tail_dims, latent.shape[0], self.norm_weight, cfg.rms_eps,
                 out=latent, error=s.error, spin_limit=self.spin_limit)
@@ -380,9 +477,28 @@ class WideMoE(nn.Module):
         """The all-reduced hidden rows, in ``shared``: the layer's output."""
         if self.mailbox_tail:
             s = self.scratch
+            self._await_tail(shared.shape[0], "hidden")
             return tail_k.all_reduce(s.tail, s.tail_dims, shared.shape[0], out=shared,
                                      error=s.error, spin_limit=self.spin_limit)
         return self._nccl(shared)
+
+    def _await_tail(self, b: int, which: str) -> None:
+        if self.poll_timeout is not None:
+            s = self.scratch
+            self._await(lambda: mailbox_k.missing_in_tail(s.tail, s.tail_dims, b, which),
+                        mailbox_k.tail_region(s.tail_dims, which).place)
+
+    def _await(self, missing, place: int) -> None:
+        """Wait on the host for the words a polling launch will read (``poll_timeout``
+        set: CPU ranks as processes); raise naming the missing ranks if they do not come
+        in time or a missing rank's process is gone."""
+        s = self.scratch
+        dead = mailbox_k.await_published(missing, s.error, place, self.poll_timeout, s.gone)
+        if dead is None:
+            return
+        why = (f"waited {self.poll_timeout:g} s" if not dead else "; ".join(
+            f"rank {r}'s process {s.segments.pids[r]} has exited" for r in dead))
+        mailbox_k.raise_if_set(s.error, f"{self._context} ({why})")
 
     def _nccl(self, t: torch.Tensor) -> torch.Tensor:
         if self.group is not None and self.world > 1:

@@ -26,6 +26,7 @@ no counter for them.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -181,6 +182,65 @@ def raise_if_set(error: torch.Tensor, context: str = "") -> None:
         f"wide_moe_triton: mailbox poll timed out{where}: {named} still empty in the "
         f"columns of rank(s) {ranks} (they never published this call); the results of "
         "this call are invalid")
+
+
+# ----------------------------------------------------------------------------- host waits
+# Where the kernels run in Triton's interpreter, one poll round takes milliseconds and
+# spins a core that a peer process may need; ranks in processes on a CPU therefore wait
+# on the host, with a bound in seconds, before launching a kernel that polls: it then
+# finds every word published on its first read. A timeout is recorded as a kernel's is.
+
+def missing_in_mailbox(mailbox: torch.Tensor, parity: int, rows: int, latent: int,
+                       world: int) -> list[int]:
+    """The ranks with a word still empty in rows 0..rows-1 of parity ``parity`` of this
+    rank's ``mailbox`` (int16 ``[2, wide_rows, L + 2E]``, ``latent`` = L columns)."""
+    row = mailbox[parity, :rows]
+    halves = row[:, :latent]
+    words = row[:, latent:].view(torch.int32)
+    owners = torch.cat([
+        (halves == SENTINEL_BF16).any(0).nonzero().flatten() // (latent // world),
+        (words == SENTINEL_WORD).any(0).nonzero().flatten() // (words.shape[1] // world)])
+    return sorted(set(owners.tolist()))
+
+
+def missing_in_tail(tail: torch.Tensor, dims: TailDims, rows: int, which: str) -> list[int]:
+    """The ranks whose slot of region ``which`` ("latent" or "hidden") still holds an
+    empty word in rows 0..rows-1 of this rank's ``tail`` buffer."""
+    region = tail_region(dims, which)
+    part = tail[:rows, :, region.column:region.column + region.width]
+    return (part == SENTINEL_BF16).any(2).any(0).nonzero().flatten().tolist()
+
+
+def record(error: torch.Tensor, ranks, place: int) -> None:
+    """OR the ranks and the place into the error record, as a kernel's timed-out poll
+    does (``record_missing``)."""
+    mask = sum(1 << r for r in ranks)
+    signed = lambda v: v - (1 << 32) if v >= 1 << 31 else v  # noqa: E731  (int32 bits)
+    error[0] |= signed(mask)
+    error[1] |= signed(1 << place)
+
+
+def await_published(missing, error: torch.Tensor, place: int, timeout: float,
+                    gone=None) -> list[int] | None:
+    """Wait on the host until ``missing()`` (the ranks whose words are still empty, e.g.
+    ``missing_in_mailbox``) is empty: None then. Gives up after ``timeout`` seconds, or
+    as soon as ``gone(ranks)`` (a callable, optional: which of the ranks' processes have
+    exited) names every rank still missing (live peers late to publish are waited for):
+    the missing ranks and ``place`` go to ``error`` and the ranks found gone are returned
+    (an empty list: the time ran out)."""
+    deadline = time.monotonic() + timeout
+    pause = 5e-5
+    while True:
+        ranks = missing()
+        if not ranks:
+            return None
+        dead = gone(ranks) if gone is not None else []
+        if len(dead) == len(ranks) or time.monotonic() >= deadline:
+            record(error, ranks, place)
+            return dead
+        # Sleeping, not spinning: on a CPU the peers being waited for need the cores.
+        time.sleep(pause)
+        pause = min(2 * pause, 5e-3)
 
 
 # ----------------------------------------------------------------------------- jit helpers
