@@ -31,6 +31,10 @@ model): the stock path over the whole layer, WideMoE over --tp simulated ranks, 
 built from its own slices of the checkpoint (only rank R's with --rank R, the others
 then cut from the whole layer); it prints the routing load too.
 
+Under torchrun the ranks are processes instead: `torchrun --nproc-per-node T -m
+wide_moe_triton --tp T` runs each rank's own shard over the process group (gloo on a
+CPU, NCCL on GPUs) and checks every rank's bits; under torchrun --help lists its options.
+
 Columns:
   b           the batch width (rows); a batch wider than the layer's widest step
               (64 rows in the tiny config, 1024 in Kimi-K3's) runs in chunks
