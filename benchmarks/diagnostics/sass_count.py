@@ -352,7 +352,8 @@ def launch_model(kind, cfg, c, inter, b, clock_ghz, num_experts=896, latent=L):
         programs_a_tile = inter // cfg["BLOCK_N"]
         steps = latent // c["bk"]
         weight_bytes = 2 * inter * latent * (1 / 2 + 1 / 32)
-        act_bytes = b * 16 * (latent * 2 + inter * (1 + 2 + 1 / 32))
+        # each token's latent row read once; each pair's hidden codes, scales, values out
+        act_bytes = b * latent * 2 + b * 16 * inter * (1 + 2 + 1 / 32)
     else:
         programs_a_tile = latent // (cfg["BLOCK_N"] * cfg.get("COLS", 1))
         steps = cfg.get("COLS", 1) * inter // c["bk"]
