@@ -146,13 +146,18 @@ def hist(body):
         c[op.split(".")[0]] += 1
     return c
 
+def weight_elements(kind, cfg, bk):
+    """Weight elements a thread decodes a reduction step (an iteration of the loop): the
+    up program's gate and up rows, the down program's rows, over its threads."""
+    return cfg["BLOCK_N"] * bk * (2 if kind == "up" else 1) / (32 * cfg["num_warps"])
+
+
 def report(kind, cfg, layout="wgmma", show=False):
     k, bk = compile_kernel(kind, cfg, layout)
     sass = sass_of(k)
     body = loops_by_labels(sass)
     h = hist(body)
-    # weight elements a thread decodes per iteration: the loop runs once per thread
-    elems = cfg["BLOCK_N"] * bk * (2 if kind == "up" else 1) / (32 * cfg["num_warps"])
+    elems = weight_elements(kind, cfg, bk)
     ttgir = k.asm["ttgir"]
     n_local = ttgir.count("ttg.local_alloc"); n_cvt = ttgir.count("ttg.convert_layout")
     print(f"{kind} {layout} {cfg} BK={bk}: regs {k.res[0]} spills {k.res[1]}; loop "
@@ -189,17 +194,15 @@ SHARED_A_SM = 228 * 1024  # bytes a SM, 1 KB of it reserved a program
 _REGISTER = re.compile(r"\bR(\d+)\b(?:\.64)?")
 
 
-def loop_with_addresses(sass):
-    """(address, instruction) of the shortest loop holding an HGMMA (the reduction loop)."""
-    insts = sass_hazards.instructions(sass)
-    loops = [(start, address) for address, ins in insts
-             for m in [sass_hazards._BRANCH.search(ins)]
-             if m and (start := int(m.group(1), 16)) <= address
-             and any("HGMMA" in x for a, x in insts if start <= a <= address)]
+def loop_with_addresses(insts):
+    """(address, instruction) of the shortest loop holding an HGMMA (the reduction loop,
+    ``loops_by_labels``' with its addresses) of a kernel's ``sass_hazards.instructions``."""
+    loops = sass_hazards.mma_loops(insts)
     if not loops:
         return []
-    start, end = min(loops, key=lambda se: se[1] - se[0])
-    return [(a, x) for a, x in insts if start <= a <= end]
+    start, body = min(loops, key=lambda loop: len(loop[1]))
+    first = next(i for i, (a, _) in enumerate(insts) if a >= start)
+    return insts[first:first + len(body)]
 
 
 def branched_over(loop):
@@ -297,8 +300,9 @@ def tiles(counts, block_m, half_tile):
 
 
 def table_rows(path):
-    """(kernel, shape key, TP, inter, buckets, config) of every "wgmma_decode" experts
-    entry of a GPU table, one row a distinct (kernel, shape, config)."""
+    """(kernel, shape key, TP, inter, buckets, config, the shape's buckets) of every
+    "wgmma_decode" experts entry of a GPU table, one row a distinct (kernel, shape,
+    config): ``buckets`` those whose entry is the config."""
     import json
     table = json.load(open(path))
     tp_of_inter = {384: 8, 192: 16, 3072: 1}
@@ -310,7 +314,8 @@ def table_rows(path):
             inter = int(re.search(r"_I(\d+)_", shape).group(1))
             for bucket, cfg in buckets.items():
                 key = (kernel, shape, json.dumps(cfg, sort_keys=True))
-                rows.setdefault(key, [kernel, shape, tp_of_inter.get(inter), inter, [], cfg])
+                rows.setdefault(key, [kernel, shape, tp_of_inter.get(inter), inter, [], cfg,
+                                      list(buckets)])
                 rows[key][4].append(int(bucket))
     return list(rows.values())
 
@@ -320,12 +325,12 @@ def counted(kind, cfg, inter):
     global I
     I = inter
     k, bk = compile_kernel(kind, cfg, "wgmma_decode")
-    sass = sass_of(k)
-    loop = loop_with_addresses(sass)
+    insts = sass_hazards.instructions(sass_of(k))
+    loop = loop_with_addresses(insts)
     skipped = branched_over(loop)
     steps_a_tile = inter // bk if kind == "down" and cfg.get("COLS", 1) > 1 else 1
     threads = 32 * cfg["num_warps"]
-    elems = cfg["BLOCK_N"] * bk * (2 if kind == "up" else 1) / threads
+    elems = weight_elements(kind, cfg, bk)
     weight = {a: (1 / steps_a_tile if a in skipped else 1.0) for a, _ in loop}
     by_class = collections.Counter()
     for a, ins in loop:
@@ -338,7 +343,7 @@ def counted(kind, cfg, inter):
         by_class={c: n / elems for c, n in by_class.items()},
         waits=sum("WARPGROUP.DEPBAR" in x for x in every_step),
         chain=dependency_chain(every_step),
-        outside=len(sass_hazards.instructions(sass)) - len(loop))
+        outside=len(insts) - len(loop))
 
 
 def launch_model(kind, cfg, c, inter, b, clock_ghz, num_experts=896, latent=L):
@@ -375,7 +380,9 @@ def table_report(path, batches, clock_ghz):
           "instr/elem " + " ".join(classes) + " = total | MMA waits/step | chain cycles/step |")
     print("|---" * 10 + "|")
     models = []
-    for kernel, shape, tp, inter, buckets, cfg in table_rows(path):
+    from wide_moe_triton import tuning
+
+    for kernel, shape, tp, inter, buckets, cfg, shape_buckets in table_rows(path):
         kind = kernel.split("_")[1]
         c = counted(kind, cfg, inter)
         short = (f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']} w{cfg['num_warps']} s{cfg['num_stages']}"
@@ -386,8 +393,8 @@ def table_report(path, batches, clock_ghz):
               f"{c['stack']} | {c['shared'] / 1024:.0f} | {c['programs']} | {split} = "
               f"{c['per_step'] / c['elems']:.2f} | {c['waits']} | {c['chain']} |")
         for b in batches:
-            if tune_bucket(b, path) not in buckets:
-                continue
+            if int(tuning.bucket_for(b, shape_buckets)) not in buckets:
+                continue  # width b reads another bucket's config
             models.append((kind, tp, b, short, *launch_model(kind, cfg, c, inter, b,
                                                             clock_ghz)))
     print(f"\n| launch | TP | b | config | issue µs at {clock_ghz} GHz | floor µs | "
@@ -396,14 +403,6 @@ def table_report(path, batches, clock_ghz):
     for kind, tp, b, short, issue, floor in sorted(models, key=lambda m: (m[0], m[1], m[2])):
         print(f"| {kind} | {tp} | {b} | {short} | {issue:.0f} | {floor:.0f} | "
               f"{issue / floor:.2f} |")
-
-
-def tune_bucket(b, path):
-    """The table bucket a width reads (wide_moe_triton.tuning's rule)."""
-    import json
-    from wide_moe_triton import tuning
-    buckets = next(iter(json.load(open(path))["kernels"]["experts_up"].values()))
-    return int(tuning.bucket_for(b, buckets))
 
 
 def main(argv=None) -> None:
