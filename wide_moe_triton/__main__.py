@@ -98,18 +98,6 @@ def _check(args, p: cli.Parser) -> None:
             p.error("argument --device: cuda, but torch sees no CUDA GPU here")
 
 
-def _timed(fn, x, cuda):
-    import torch
-
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    y = fn(x)
-    if cuda:
-        torch.cuda.synchronize()
-    return y, time.perf_counter() - start
-
-
 def main(argv=None) -> int:
     """The command: its exit status (0 when WideMoE matches the stock path; 1 on a
     mismatch or bad data, 2 on bad arguments, each error one line: ``cli.run``). Under
@@ -153,6 +141,8 @@ def _compare(stock, wide, inputs, cuda) -> int:
     0 if every relative error is below 1e-2, else 1."""
     if not cuda:
         print("wide s is the interpreter's time, not a GPU's (--help explains the columns)")
+    from .launch import timed
+
     print(f"{'b':>6} {'stock s':>9} {'wide s':>9} {'max |diff|':>11} {'rel err':>9} "
           f"{'bitwise':>8}", flush=True)
     worst = 0.0
@@ -160,8 +150,8 @@ def _compare(stock, wide, inputs, cuda) -> int:
         b = x.shape[0]
         if cuda:
             wide(x)  # compiles the kernels of this width; the interpreter compiles nothing
-        ref, t_stock = _timed(stock, x, cuda)
-        out, t_wide = _timed(wide, x, cuda)
+        ref, t_stock = timed(stock, x, cuda)
+        out, t_wide = timed(wide, x, cuda)
         diff = (out.float() - ref.float())
         rel = (diff.norm() / ref.float().norm()).item()
         equal = (out == ref).float().mean().item()

@@ -26,6 +26,7 @@ import datetime
 import hashlib
 import os
 import sys
+import time
 
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_PEER = 0, 1, 2, 3
 TOLERANCE = 1e-2          # relative error against the stock layer that passes
@@ -290,13 +291,25 @@ def describe(me: Rank, cfg, all_reduce: str) -> str:
             f"I={cfg.expert_intermediate} S={cfg.shared_intermediate} wide_rows={cfg.wide_rows}")
 
 
+def timed(fn, x, cuda: bool):
+    """``fn(x)`` and its seconds; on a GPU the clock starts and stops at a sync, so the
+    time is the kernels', not their launches'."""
+    import torch
+
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    y = fn(x)
+    if cuda:
+        torch.cuda.synchronize()
+    return y, time.perf_counter() - start
+
+
 def checked_call(wide, x):
     """One collective call of the layer and its seconds; on a GPU the mailbox's error
     record is read after it (a sync; on a CPU every call checks it)."""
-    from .__main__ import _timed
-
     cuda = x.is_cuda
-    out, seconds = _timed(wide, x, cuda)
+    out, seconds = timed(wide, x, cuda)
     if cuda:
         wide.check_mailbox()
     return out, seconds
@@ -305,8 +318,6 @@ def checked_call(wide, x):
 def _run(args, me: Rank) -> int:
     import torch
     import torch.distributed as dist
-
-    from .__main__ import _timed
 
     cuda = me.device.type == "cuda"
     stock, wide = build_layer(args, me)
@@ -320,7 +331,7 @@ def _run(args, me: Rank) -> int:
         x = layer_input(args, cfg.hidden, b, me.device)
         if cuda:
             checked_call(wide, x)  # compiles this width's kernels on every rank
-        ref, t_stock = _timed(stock, x, cuda) if me.rank == 0 else (None, 0.0)
+        ref, t_stock = timed(stock, x, cuda) if me.rank == 0 else (None, 0.0)
         dist.barrier(group=me.group)  # every rank starts the call together
         out, seconds = checked_call(wide, x)
         gathered: list = [None] * me.world
