@@ -20,7 +20,7 @@ from wide_moe_triton import cli, kernels, ops, tune  # noqa: F401  (ops: see bad
 from wide_moe_triton.checkpoint import CheckpointError
 
 PARSERS = {"wide-moe": (layer_cli.parser, "wide_moe_triton", "__main__.py"),
-           "wide-moe-tune": (tune.parser, "wide_moe_triton.tune", "tune.py")}
+           "wide-moe-tune": (tune.parser, "wide_moe_triton.tune", "tune/__main__.py")}
 
 
 def test_pyproject_scripts_are_these_commands():
@@ -171,7 +171,7 @@ def test_bad_invocation(command, argv, status, named, places, capsys, monkeypatc
 
     def no_sweep(args):
         raise AssertionError("a sweep started")
-    monkeypatch.setattr(tune, "sweep", no_sweep)
+    monkeypatch.setattr(tune.engine, "sweep", no_sweep)
     assert MAINS[command](fill(argv, places)) == status
     out, err = capsys.readouterr()
     assert_one_line(err, command, fill(named, places))

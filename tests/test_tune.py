@@ -14,6 +14,7 @@ from hypothesis import given, strategies as st
 
 from wide_moe_triton import ops, tune, tuning  # noqa: F401
 from wide_moe_triton.kernels import front
+from wide_moe_triton.tune import search
 
 from conftest import DEVICE
 
@@ -80,7 +81,7 @@ def test_candidates_lay_partial_priors_over_the_base(b, setting, split, quick):
     assert got[0] == base
     assert all(c in front.SPACE for c in got[1:])
     assert all(c[k] == v for c in got for k, v in held.items())
-    assert len({tune._key(c) for c in got}) == len(got)
+    assert len({search._key(c) for c in got}) == len(got)
     for prior in tune.FRONT_PRIORS:
         laid = dict(base, **prior)
         assert (laid in got) == (laid in front.SPACE), prior
@@ -141,9 +142,9 @@ def test_reduction_trials_every_split_of_a_setting(b, setting):
     same = lambda c: all(c[k] == v for k, v in base.items() if k not in free)  # noqa: E731
     want = [c for c in front.SPACE if same(c)]
     assert all(same(c) for c in trials)
-    keys = [tune._key(c) for c in trials]
+    keys = [search._key(c) for c in trials]
     assert len(set(keys)) == len(keys)
-    assert set(keys) == {tune._key(c) for c in want} | ({tune._key(base)} if base in trials
+    assert set(keys) == {search._key(c) for c in want} | ({search._key(base)} if base in trials
                                                          else set())
 
 
@@ -158,7 +159,7 @@ class Model:
         self.timed: list = []
 
     def time(self, case, config, rep=20):
-        key = (case.b, tune._key(config))
+        key = (case.b, search._key(config))
         if key not in self.costs:
             wrong = config != case.default and self.rng.random() < self.wrong_fraction
             self.costs[key] = (0.5 if wrong else self.rng.uniform(1, 10), wrong)
@@ -191,7 +192,7 @@ def test_group_one_reduction_setting_never_a_wrong_config(seed, quick, wrong_fra
     settings = {tuple(c[k] for k in front.REDUCTION_KEYS) for c in chosen.values()}
     assert len(settings) == 1, chosen
     for b, c in chosen.items():
-        cost, wrong = model.costs[(b, tune._key(c))]
+        cost, wrong = model.costs[(b, search._key(c))]
         assert not wrong
         # The fastest right config timed at b among those of the chosen setting.
         rights = [model.costs[k][0] for k in model.costs
@@ -204,7 +205,7 @@ def test_group_one_reduction_setting_never_a_wrong_config(seed, quick, wrong_fra
     for s in group.settings:
         key = tuple(s.values())
         for b in BUCKETS:
-            trials = [tune._key(t) for t in tune.reduction_trials(group.cases[b], s)]
+            trials = [search._key(t) for t in tune.reduction_trials(group.cases[b], s)]
             right = [model.costs[(b, t)][0] for t in trials if not model.costs[(b, t)][1]]
             per_setting.setdefault(key, {})[b] = min(right) if right else None
     mine = tuple(group.setting.values())
@@ -245,11 +246,11 @@ def sweep(monkeypatch, tmp_path, model, *extra, fake=Fake, out="table.json"):
     # TRITON_INTERPRET here: a kernel module first imported under it on a GPU would define
     # interpreted kernels for the rest of the worker, and the compiled tests after it fail
     # ("Unsupported function referenced: InterpretedFunction", seen on the H200).
-    monkeypatch.setattr(tune, "cases", fake(model))
+    monkeypatch.setattr(tune.kernel_cases, "cases", fake(model))
     # The fake's "plain" kernel is one --kernels may name, as the sweep's own are.
-    monkeypatch.setattr(tune, "KERNELS", (*tune.KERNELS, "plain"))
-    monkeypatch.setattr(tune, "random_expert_weights", lambda cfg, gen, layout: None)
-    monkeypatch.setattr(tune, "time_config", model.time)
+    monkeypatch.setattr(tune.kernel_cases, "KERNELS", (*tune.KERNELS, "plain"))
+    monkeypatch.setattr(tune.kernel_cases, "random_expert_weights", lambda cfg, gen, layout: None)
+    monkeypatch.setattr(tune.engine, "time_config", model.time)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # --dry-run sets it: restored after the test
     out = out and tmp_path / out
     assert tune.main(["--dry-run", "--quick", "--tp", "1", "--workers", "1",
@@ -319,7 +320,7 @@ class Drifting(Model):
     def time(self, case, config, rep=20):
         if case.kernel != "plain":
             return super().time(case, config, rep)
-        key = (case.b, tune._key(config))
+        key = (case.b, search._key(config))
         again = key in self.seen
         self.seen.add(key)
         return 5.0 if config == case.default else (9.0 if again else 1.0 + config["X"] / 10)
@@ -329,7 +330,7 @@ def test_sweep_keeps_the_default_where_the_final_timing_finds_it_faster(monkeypa
                                                                         tmp_path):
     """The final rounds decide between the sweep's fastest and the default; the
     reduction setting chosen for a shape is kept at every bucket."""
-    monkeypatch.setattr(tune, "_time_again", lambda: True)
+    monkeypatch.setattr(tune.engine, "_time_again", lambda: True)
     out = sweep(monkeypatch, tmp_path, Drifting(4))
     table = json.loads(out.read_text())
     assert all(c == {"X": 0} for c in table["kernels"]["plain"]["S1"].values())
@@ -384,7 +385,7 @@ class Misleading(Model):
     def time(self, case, config, rep=20):
         if case.kernel != "plain":
             return super().time(case, config, rep)
-        key = (case.b, tune._key(config))
+        key = (case.b, search._key(config))
         self.count[key] = self.count.get(key, 0) + 1
         return (self.FIRST if self.count[key] == 1 else self.AFTER)[config["X"]]
 
@@ -395,7 +396,7 @@ def test_sweep_chooses_by_the_final_rounds_among_its_fastest(monkeypatch, tmp_pa
     timed ``--rounds`` more times, and the least median is chosen: here X = 2, neither
     the sweep's fastest (X = 1, which the final rounds find slower than the default)
     nor the default; configs outside the finalists are not timed again."""
-    monkeypatch.setattr(tune, "_time_again", lambda: True)
+    monkeypatch.setattr(tune.engine, "_time_again", lambda: True)
     model = Misleading(11)
     out = sweep(monkeypatch, tmp_path, model, "--kernels", "plain", "--finalists", "3",
                 "--rounds", str(rounds))
@@ -406,7 +407,7 @@ def test_sweep_chooses_by_the_final_rounds_among_its_fastest(monkeypatch, tmp_pa
     assert "(final: 3 finalists, " + str(rounds) + " rounds)" in table["sweep"]
     for b in BUCKETS:
         for x in range(6):
-            timed = model.count.get((b, tune._key({"X": x})), 0)
+            timed = model.count.get((b, search._key({"X": x})), 0)
             assert timed == (1 + rounds if x <= 3 else 1), (b, x, timed)
 
 
@@ -414,8 +415,8 @@ def test_the_tables_config_is_a_finalist(monkeypatch, tmp_path):
     """The config the table holds for a point joins the final rounds even where the
     sweep ranked it below the finalists (X = 5 here, truly the fastest): a sweep replaces
     it only by beating it in the same rounds."""
-    monkeypatch.setattr(tune, "_time_again", lambda: True)
-    monkeypatch.setattr(tune, "_current_table", lambda args: {
+    monkeypatch.setattr(tune.engine, "_time_again", lambda: True)
+    monkeypatch.setattr(tune.engine, "_current_table", lambda args: {
         "plain": {"S1": {str(b): {"X": 5} for b in BUCKETS}}})
     model = Misleading(12)
     out = sweep(monkeypatch, tmp_path, model, "--kernels", "plain", "--finalists", "2")
@@ -424,7 +425,7 @@ def test_the_tables_config_is_a_finalist(monkeypatch, tmp_path):
     assert all(t == {"tuned": 0.5, "default": 5.0}
                for t in table["timings_us"]["plain"]["S1"].values())
     for b in BUCKETS:  # the finalists: the default, X = 5, the sweep's X = 1 and 2
-        assert [model.count[(b, tune._key({"X": x}))] for x in range(6)] == [4, 4, 4, 1, 1, 4]
+        assert [model.count[(b, search._key({"X": x}))] for x in range(6)] == [4, 4, 4, 1, 1, 4]
 
 
 def test_sweep_time_limit_writes_what_is_done(monkeypatch, tmp_path):
@@ -504,7 +505,7 @@ class FastWithY(Model):
 def test_a_tuned_key_the_default_lacks_is_reported_unset(monkeypatch, tmp_path):
     """The report names the default's value of each key the tuned config changed; a key
     the default lacks is "unset" (not a KeyError: NOTES, "Tuning method")."""
-    monkeypatch.setattr(tune, "_time_again", lambda: False)
+    monkeypatch.setattr(tune.engine, "_time_again", lambda: False)
     out = sweep(monkeypatch, tmp_path, FastWithY(10, 0.0), "--kernels", "plain", fake=Unset)
     table = json.loads(out.read_text())
     assert all(c.get("Y") == 1 for c in table["kernels"]["plain"]["S1"].values())
