@@ -126,11 +126,13 @@ def stubbed(batches, calls, top):
         print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip()))
 
 
-def gpu(batches, experts, iters, tables=None):
+def gpu(batches, experts, iters, tables=None, top=0):
     """Eager and CUDA-graph time per call of the T = 1 layer at production dims, and the
     host's own time a call; once for each of ``tables`` (values of ``WIDE_MOE_TABLE``:
     "auto" for the layer's own choice, "none", "own" or a table's path; default: the
-    environment's), each a fresh ``WideMoE`` over the same weights."""
+    environment's), each a fresh ``WideMoE`` over the same weights. ``top`` > 0: also a
+    cProfile of the host's issue of ``iters`` calls at the narrowest width, its ``top``
+    entries by own time (where the host's time goes, Triton's launcher included)."""
     import os
 
     from wide_moe_triton import tuning
@@ -150,6 +152,8 @@ def gpu(batches, experts, iters, tables=None):
         print("| --- | --- | --- | --- | --- | --- |")
         for b in batches:
             _widths(wide, cfg, device, b, iters)
+        if top:
+            _profile_host(wide, cfg, device, min(batches), iters, top)
         del wide
         torch.cuda.empty_cache()
 
@@ -164,8 +168,7 @@ def _choose(value: str) -> None:
     os.environ.pop(tuning.TABLE_ENV, None)
     if value != "auto":
         os.environ[tuning.TABLE_ENV] = value
-    tuning.load_table.cache_clear()
-    tuning.read_table.cache_clear()
+    tuning.clear_caches()
     tuning._warned.clear()
 
 
@@ -202,6 +205,22 @@ def _timed(fn, iters) -> float:
     return statistics.median(rounds)
 
 
+def _profile_host(wide, cfg, device, b, iters, top) -> None:
+    x = torch.randn(b, cfg.hidden, device=device).bfloat16()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(4e8))  # the GPU held: only the host's work is profiled
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(iters):
+        wide(x)
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    print(f"host profile, {iters} calls at b = {b}:")
+    print("\n".join(line for line in text.getvalue().splitlines()[4:] if line.strip()))
+
+
 def _host_only(fn, iters) -> float:
     """Median µs the host takes to issue one call, over 5 rounds of ``iters`` calls
     issued behind a GPU sleep long enough to outlast them (each call's launches only
@@ -227,13 +246,17 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=15, help="profile entries to print")
     parser.add_argument("--experts", type=int, default=128, help="E of the --gpu layer")
     parser.add_argument("--iters", type=int, default=50, help="calls a --gpu round")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="--gpu: also profile the host's issue of the calls at the "
+                             "narrowest width (--top entries)")
     parser.add_argument("--tables", nargs="+", metavar="TABLE",
                         help="--gpu: run once for each value of WIDE_MOE_TABLE (auto, none, "
                              "own or a table's path), each a fresh layer over the same "
                              "weights (default: the environment's)")
     args = parser.parse_args(argv)
     if args.gpu:
-        gpu(args.batches or [1, 65, 1024], args.experts, args.iters, args.tables)
+        gpu(args.batches or [1, 65, 1024], args.experts, args.iters, args.tables,
+            args.top if args.profile_host else 0)
     else:
         stubbed(args.batches or [1, 64], args.calls, args.top)
 

@@ -55,9 +55,9 @@ def user_table(date: str) -> dict:
 def tables(monkeypatch, tmp_path):
     """A fresh user tables' directory, and the table cache emptied before and after."""
     monkeypatch.setenv("WIDE_MOE_CONFIG_DIR", str(tmp_path / "tables"))
-    tuning.load_table.cache_clear()
+    tuning.clear_caches()
     yield tmp_path / "tables"
-    tuning.load_table.cache_clear()
+    tuning.clear_caches()
 
 
 def test_user_dir_is_the_variable_else_the_cache(monkeypatch, tmp_path):
@@ -80,7 +80,7 @@ def test_a_users_table_wins_over_the_shipped_one(tables, monkeypatch):
     assert tuning.find_table("NVIDIA B200") is None and tuning.load_table("NVIDIA B200") is None
     tables.mkdir()
     (tables / "NVIDIA_H200.json").write_text(json.dumps(user_table("2026-12-06")))
-    tuning.load_table.cache_clear()
+    tuning.clear_caches()
     assert tuning.find_table(H200) == tables / "NVIDIA_H200.json"
     assert tuning.load_table(H200) == user_table("2026-12-06")
     monkeypatch.setattr(tuning, "gpu_name", lambda device=None: H200)
@@ -137,7 +137,7 @@ def test_an_installed_wheel_finds_the_shipped_tables(tmp_path):
         found = {}
         for where in sys.argv[1:]:
             os.environ["WIDE_MOE_CONFIG_DIR"] = where
-            tuning.load_table.cache_clear()
+            tuning.clear_caches()
             found[where] = [str(tuning.find_table("NVIDIA H200")),
                             tuning.load_table("NVIDIA H200")]
         print(json.dumps({"package": tuning.__file__, "found": found,

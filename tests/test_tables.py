@@ -52,8 +52,7 @@ def user_tables(files: dict, env: dict | None = None):
 
 
 def _clear():
-    tuning.load_table.cache_clear()
-    tuning.read_table.cache_clear()
+    tuning.clear_caches()
 
 
 headers = st.fixed_dictionaries({
@@ -165,6 +164,10 @@ def run_tables(capsys, *argv):
     status = layer_cli.main(["tables", *argv])
     out, err = capsys.readouterr()
     return status, out, err
+
+
+def test_wide_moe_help_names_the_command():
+    assert "`wide-moe tables`" in layer_cli.parser().format_help()
 
 
 def test_on_a_cpu_the_command_says_there_is_no_gpu(capsys):

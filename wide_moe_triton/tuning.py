@@ -290,8 +290,14 @@ def nearest_table(gpu: GpuInfo, paths) -> object | None:
     then the first by file name. None when ``gpu``'s capability is unknown or no table
     matches it.
 
-    Measured behind it (H100 80GB HBM3 with the H200's table against the defaults, the
-    whole layer as a CUDA graph): see the README's "Tuning on your GPU"."""
+    Why a table of the same capability at all: on an H100 80GB HBM3 (132 SMs, like the
+    H200) the H200's table against every kernel's default, the whole layer at T = 1 as
+    a CUDA graph, took 381.8 against 314.4 µs at b = 1, 838.3 against 843.4 at b = 65
+    and 9507 against 10121 at b = 1024 (``benchmarks/host_overhead.py --gpu --experts
+    64``: at E = 64 only the shared expert's, the up-projection's, finalize's and the
+    RMSNorm's entries applied, the experts', the route's and the front's being keyed by
+    E = 896). ``host_overhead.py --gpu --experts 896 --tables none PATH own`` times the
+    whole table against the defaults; the README states the result."""
     if gpu.capability is None:
         return None
     same = [(p, read_table(p)) for p in paths]
@@ -314,7 +320,7 @@ def active_table(gpu: GpuInfo | None, warn: bool = True) -> tuple[TableChoice | 
     warns once (``warn``), naming the table it takes."""
     if gpu is None:
         return None, None
-    choice = choose_table(gpu)
+    choice = _chosen(gpu, os.environ.get(TABLE_ENV, ""), str(user_dir()))
     key = ("fallback", gpu.name, str(choice.path))
     if warn and choice.source == "fallback" and key not in _warned:
         _warned.add(key)
@@ -322,6 +328,20 @@ def active_table(gpu: GpuInfo | None, warn: bool = True) -> tuple[TableChoice | 
                       f"{TABLE_ENV}=own to run the defaults instead, or run `wide-moe-tune` "
                       f"on this GPU.", stacklevel=4)
     return choice, None if choice.path is None else read_table(choice.path)
+
+
+@functools.lru_cache(maxsize=None)
+def _chosen(gpu: GpuInfo, forced: str, where: str) -> TableChoice:
+    # Once per (GPU, $WIDE_MOE_TABLE, user's directory): lookups made at every call (the
+    # tail's, across ranks) cost no file-system walk.
+    return choose_table(gpu)
+
+
+def clear_caches() -> None:
+    """Forget every table read and choice made (tests, benchmarks that switch tables;
+    a layer's plans keep what they resolved)."""
+    for cached in (load_table, read_table, _chosen):
+        cached.cache_clear()
 
 
 def bucket_for(rows: int, buckets) -> str:
