@@ -290,14 +290,14 @@ def nearest_table(gpu: GpuInfo, paths) -> object | None:
     then the first by file name. None when ``gpu``'s capability is unknown or no table
     matches it.
 
-    Why a table of the same capability at all: on an H100 80GB HBM3 (132 SMs, like the
-    H200) the H200's table against every kernel's default, the whole layer at T = 1 as
-    a CUDA graph, took 381.8 against 314.4 µs at b = 1, 838.3 against 843.4 at b = 65
-    and 9507 against 10121 at b = 1024 (``benchmarks/host_overhead.py --gpu --experts
-    64``: at E = 64 only the shared expert's, the up-projection's, finalize's and the
-    RMSNorm's entries applied, the experts', the route's and the front's being keyed by
-    E = 896). ``host_overhead.py --gpu --experts 896 --tables none PATH own`` times the
-    whole table against the defaults; the README states the result."""
+    The grounds measured so far are mixed: on an H100 80GB HBM3 (132 SMs, as the H200)
+    the H200's table against every kernel's default, the whole layer at T = 1 as a CUDA
+    graph, took 381.8 against 314.4 µs at b = 1, 838.3 against 843.4 at b = 65 and 9507
+    against 10121 at b = 1024 (``benchmarks/host_overhead.py --gpu --experts 64``, where
+    only the shared expert's, the up-projection's, finalize's and the RMSNorm's entries
+    applied: the experts', the route's and the front's are keyed by E = 896). The whole
+    table against the defaults, ``host_overhead.py --gpu --experts 896 --tables none
+    PATH``, decides whether the rule stands; the README states the result."""
     if gpu.capability is None:
         return None
     same = [(p, read_table(p)) for p in paths]
