@@ -188,6 +188,19 @@ def test_the_command_names_the_gpu_its_table_and_its_coverage(capsys):
         assert status == 0 and "table: none" in out and "run the default" in out
 
 
+def test_the_shipped_table_answers_every_tp_it_was_tuned_for(capsys):
+    """The H200's own table at TP16 and TP1 (buffers sized by its split-K entries):
+    every launch it was swept for answered, only the publish launch (never swept) and
+    the RMSNorm's wider widths (one layout for all) left to the defaults."""
+    with user_tables({}):
+        status, out, err = run_tables(capsys, "--gpu-name", "NVIDIA H200", "--tp", "16", "1")
+    assert status == 0, err
+    assert f"table: shipped, {tuning.SHIPPED / 'NVIDIA_H200.json'}" in out
+    for line in out.splitlines():
+        if line.startswith("  ") and not line.split()[0] in ("publish", "rms_norm"):
+            assert "default" not in line, line
+
+
 def test_coverage_counts_the_plans_lookups_against_the_table():
     """Every lookup of the plans at the tiny dims, answered by a table holding exactly
     those lookups' entries, and by no table."""

@@ -132,7 +132,9 @@ def planning_layer(cfg, gpu: tuning.GpuInfo):
     from .reference import LatentMoE
     from .sharding import shard
 
-    with tuning.recording(None):  # building plans nothing: no lookup on this GPU
+    # Built as on ``gpu`` (its buffers sized by that GPU's table, as a real layer's),
+    # the lookups of the construction left out: they are no launch's.
+    with tuning.recording(gpu):
         buffers = {name: torch.empty(shape, dtype=dtype, device="meta")
                    for name, (shape, dtype) in layout.buffers(cfg, cfg.tp).items()}
         stock = LatentMoE(cfg, weights=buffers, rank=0, world=cfg.tp)
