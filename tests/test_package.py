@@ -21,8 +21,28 @@ H200 = "NVIDIA H200"
 
 def shipped_source(name: str) -> dict:
     """The table as the repository holds it (what the wheel must carry)."""
-    return json.loads((ROOT / "wide_moe_triton" / "autotune_configs" /
-                       (name.replace(" ", "_") + ".json")).read_text())
+    return json.loads((ROOT / "autotune_configs" / (name.replace(" ", "_") + ".json"))
+                      .read_text())
+
+
+def pyproject_version() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def test_the_version_is_pyprojects():
+    import wide_moe_triton
+
+    assert wide_moe_triton.__version__ == pyproject_version()
+
+
+def test_the_checkout_holds_the_tables_at_the_top_level():
+    """The design card's layout: the tables' source is autotune_configs/ at the top, and
+    a checkout on the path reads them there."""
+    assert not (ROOT / "wide_moe_triton" / "autotune_configs").exists()
+    assert pathlib.Path(str(tuning.SHIPPED)) == ROOT / "autotune_configs"
+    assert tuning.find_table(H200) == ROOT / "autotune_configs" / "NVIDIA_H200.json"
 
 
 def user_table(date: str) -> dict:
@@ -35,9 +55,9 @@ def user_table(date: str) -> dict:
 def tables(monkeypatch, tmp_path):
     """A fresh user tables' directory, and the table cache emptied before and after."""
     monkeypatch.setenv("WIDE_MOE_CONFIG_DIR", str(tmp_path / "tables"))
-    tuning.load_table.cache_clear()
+    tuning.clear_caches()
     yield tmp_path / "tables"
-    tuning.load_table.cache_clear()
+    tuning.clear_caches()
 
 
 def test_user_dir_is_the_variable_else_the_cache(monkeypatch, tmp_path):
@@ -60,7 +80,7 @@ def test_a_users_table_wins_over_the_shipped_one(tables, monkeypatch):
     assert tuning.find_table("NVIDIA B200") is None and tuning.load_table("NVIDIA B200") is None
     tables.mkdir()
     (tables / "NVIDIA_H200.json").write_text(json.dumps(user_table("2026-12-06")))
-    tuning.load_table.cache_clear()
+    tuning.clear_caches()
     assert tuning.find_table(H200) == tables / "NVIDIA_H200.json"
     assert tuning.load_table(H200) == user_table("2026-12-06")
     monkeypatch.setattr(tuning, "gpu_name", lambda device=None: H200)
@@ -85,16 +105,18 @@ def _wheel_builder() -> list[str]:
 
 
 def test_an_installed_wheel_finds_the_shipped_tables(tmp_path):
-    """Build the wheel from a copy of the sources (the build writes beside them), install
+    """Build the wheel from a copy of the sources (the build writes beside them; the
+    tables' source is the top-level autotune_configs/, which the wheel carries inside the
+    package), install
     it into a fresh directory outside the checkout, and from there: the H200's table is
     found by GPU name among the package's own files and holds what the repository ships;
     a table in the user's directory wins; the installed command runs under its name."""
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "wide_moe_triton", src / "wide_moe_triton",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("wide_moe_triton", "autotune_configs"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run([*_wheel_builder(), "-w", str(tmp_path / "dist"), str(src)], check=True,
                    cwd=tmp_path, capture_output=True, timeout=300)
     wheel, = (tmp_path / "dist").glob("wide_moe_triton-*.whl")
@@ -110,14 +132,16 @@ def test_an_installed_wheel_finds_the_shipped_tables(tmp_path):
     (mine / "NVIDIA_H200.json").write_text(json.dumps(user_table("2026-12-07")))
     probe = """if True:
         import json, os, sys
+        import wide_moe_triton
         from wide_moe_triton import tuning
         found = {}
         for where in sys.argv[1:]:
             os.environ["WIDE_MOE_CONFIG_DIR"] = where
-            tuning.load_table.cache_clear()
+            tuning.clear_caches()
             found[where] = [str(tuning.find_table("NVIDIA H200")),
                             tuning.load_table("NVIDIA H200")]
-        print(json.dumps({"package": tuning.__file__, "found": found}))
+        print(json.dumps({"package": tuning.__file__, "found": found,
+                          "version": wide_moe_triton.__version__}))
     """
     env = {**os.environ, "PYTHONPATH": str(site)}
     run = subprocess.run([sys.executable, "-c", probe, str(empty), str(mine)], cwd=tmp_path,
@@ -125,6 +149,7 @@ def test_an_installed_wheel_finds_the_shipped_tables(tmp_path):
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout)
     assert pathlib.Path(got["package"]).is_relative_to(site), got["package"]
+    assert got["version"] == pyproject_version()
     path, table = got["found"][str(empty)]
     assert pathlib.Path(path) == site / "wide_moe_triton" / "autotune_configs" / \
         "NVIDIA_H200.json"

@@ -11,6 +11,25 @@ from .config import WideMoEConfig
 from .reference import LatentMoE
 
 
+def _version() -> str:
+    """The checkout's pyproject version where this package runs from a checkout (an
+    editable install's metadata can lag behind the file), else the installed
+    distribution's."""
+    import importlib.metadata
+    import pathlib
+    import tomllib
+
+    pyproject = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if pyproject.is_file():
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        if project.get("name") == "wide_moe_triton":
+            return project["version"]
+    return importlib.metadata.version("wide_moe_triton")
+
+
+__version__ = _version()
+
+
 def __getattr__(name):
     # The Triton path imports triton; the stock reference and config do not need it.
     import importlib
@@ -22,4 +41,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'wide_moe_triton' has no attribute {name!r}")
 
 
-__all__ = ["WideMoEConfig", "LatentMoE", "WideMoE", "WideScratch", "SimulatedGroup", "ops"]
+__all__ = ["__version__", "WideMoEConfig", "LatentMoE", "WideMoE", "WideScratch", "SimulatedGroup", "ops"]

@@ -1,6 +1,7 @@
 """The ``wide-moe`` command (``python -m wide_moe_triton``): run the layer beside the stock
 path and print how far apart they are, a line per batch width; or a layer of a Kimi-K3
-checkpoint (``--checkpoint``)."""
+checkpoint (``--checkpoint``); ``wide-moe tables``: which tuned table this GPU gets
+(``tables``)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,10 @@ on unit-RMS rows times the layer's post-attention norm weight (its input's scale
 model): the stock path over the whole layer, WideMoE over --tp simulated ranks, each
 built from its own slices of the checkpoint (only rank R's with --rank R, the others
 then cut from the whole layer); it prints the routing load too.
+
+`wide-moe tables` prints this GPU's name, the tuned table it gets (yours, the shipped
+one, another GPU's of its architecture as a fallback, or none) with its path, and how
+many of the layer's launches that table covers; `wide-moe tables --help` for more.
 
 Under torchrun the ranks are processes instead: `torchrun --nproc-per-node T -m
 wide_moe_triton --tp T` runs each rank's own shard over the process group (gloo on a
@@ -105,6 +110,11 @@ def main(argv=None) -> int:
     (``launch.main``, the same exit statuses and 3 for a failed peer)."""
     from . import launch
 
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["tables"]:  # the which-table subcommand
+        from . import tables
+
+        return tables.main(args[1:], prog=f"{cli.invoked_name('wide_moe_triton')} tables")
     if launch.under_torchrun():  # a rank of torchrun: tensor parallelism over processes
         return launch.main(argv)
     return cli.run("wide-moe", parser(), _main, argv)

@@ -122,19 +122,25 @@ case "${1:-}" in
     show racecheck "RACECHECK SUMMARY|ERROR SUMMARY|hazard|sanitize b=|Error" 5
     ;;
   tune)
+    # the running GPU's table file (tuning.table_file: its name, spaces as underscores)
+    table=$(python -c "from wide_moe_triton import tuning; print(tuning.table_file(tuning.gpu_name()))") \
+      || { echo "tune: no GPU name (is a CUDA GPU visible?)" >> "$SUMMARY"; cat "$SUMMARY"; exit 1; }
     # TUNE_RESUME=FILE: an earlier call's .partial.json (sent in the working tree) to go on from
-    [[ -n "${TUNE_RESUME:-}" ]] && cp "$TUNE_RESUME" "$OUT/NVIDIA_H200.partial.json"
+    [[ -n "${TUNE_RESUME:-}" ]] && cp "$TUNE_RESUME" "$OUT/${table%.json}.partial.json"
     # TUNE_KERNELS="front ...": sweep those kernels only, folded into a copy of the
-    # shipped table (tune --kernels folds into the table at --out); TUNE_ARGS: more
-    # options (e.g. "--experts-layout wgmma_decode")
-    [[ -n "${TUNE_KERNELS:-}" ]] && cp wide_moe_triton/autotune_configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    # shipped table (tune --kernels folds into the table at --out; without a shipped
+    # table, into the one the layer reads); TUNE_ARGS: more options (e.g.
+    # "--experts-layout wgmma_decode")
+    [[ -n "${TUNE_KERNELS:-}" && -f "autotune_configs/$table" ]] && cp "autotune_configs/$table" "$OUT/$table"
     step tune 560 60 python -m wide_moe_triton.tune --quick --tp 8 16 1 --time-limit "${TUNE_LIMIT:-450}" \
-      ${TUNE_KERNELS:+--kernels $TUNE_KERNELS} ${TUNE_ARGS:-} --out "$OUT/NVIDIA_H200.json"
+      ${TUNE_KERNELS:+--kernels $TUNE_KERNELS} ${TUNE_ARGS:-} --out "$OUT/$table"
     tail -30 "$OUT/tune.log" | sed "s/^/  tune| /" >> "$SUMMARY"
     ;;
   bench)
-    python -c "import json; t = json.load(open('wide_moe_triton/autotune_configs/NVIDIA_H200.json')); \
-print('table', t['date'], sorted(t['kernels']))" >> "$SUMMARY" 2>&1
+    # the table the running GPU's layer reads (its own, or the fallback: tuning.choose_table)
+    python -c "from wide_moe_triton import tuning; c = tuning.choose_table(tuning.gpu_info()); \
+t = tuning.read_table(c.path) if c.path else {}; \
+print('table', c.source, c.path, t.get('date'), sorted(t.get('kernels', {})))" >> "$SUMMARY" 2>&1
     step bench 545 120 env PYTHONPATH=.peers python benchmarks/bench_layer.py \
       --shapes ${BENCH_SHAPES:-tp8 tp16 tp1} --batches 65 128 256 512 1024 --out "$OUT"
     show bench "^# .* done in|batch invariance|^!!|not run|Traceback" 30

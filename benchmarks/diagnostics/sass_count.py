@@ -3,7 +3,7 @@
     python benchmarks/diagnostics/sass_count.py [wgmma] [wgmma_decode]
         (a Python with Triton 3.6; WIDE=1: the decode's wide-scale variant)
         [--up JSON] [--down JSON] [--block-k-up N] [--block-k-down N]
-    python benchmarks/diagnostics/sass_count.py --table wide_moe_triton/autotune_configs/NVIDIA_H200.json
+    python benchmarks/diagnostics/sass_count.py --table autotune_configs/NVIDIA_H200.json
         [--batches 65 256 512 1024] [--clock-ghz 1.8]
 
 ``--up`` / ``--down``: lists of configs counted instead of the defaults (as

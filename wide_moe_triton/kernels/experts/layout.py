@@ -174,7 +174,10 @@ _WORD_ROWS = 1 << 12
 
 def _by_rows(fn, t: torch.Tensor, block_k: int) -> torch.Tensor:
     """fn(piece, block_k) over pieces of _WORD_ROWS rows of ``t`` [..., K/2] (fn keeps
-    each row's shape), gathered into one tensor of t's shape."""
+    each row's shape), gathered into one tensor of t's shape (a meta tensor's values
+    are never computed: only its shape, which fn keeps)."""
+    if t.is_meta:
+        return torch.empty_like(t)
     rows = t.reshape(-1, t.shape[-1])
     out = torch.empty_like(rows)
     for start in range(0, rows.shape[0], _WORD_ROWS):
@@ -263,10 +266,17 @@ def staged_dot(device) -> bool:
 def _check_scales_finite(name: str, scales: torch.Tensor) -> None:
     # The kernels skip dot_scaled's NaN-scale test (fast_math); a weight block of NaN or
     # Inf would then read as Inf, not NaN. Such a checkpoint is corrupt: refuse it.
-    if bool((scales == mx.SCALE_NAN).any()):
+    if not scales.is_meta and bool((scales == mx.SCALE_NAN).any()):
         raise ValueError(f"{name} holds the NaN scale 0xFF (a block of non-finite weights); "
                          f"refusing weights that cannot be multiplied exactly")
 
+
+
+def _wide_scales(scales: torch.Tensor) -> bool:
+    """Whether any scale byte exceeds 128 (the kernels' wider scale path); False for a
+    meta tensor, which holds no values (a layer on the meta device only plans its
+    launches: ``tables.coverage``)."""
+    return not scales.is_meta and bool((scales > 128).any())
 
 
 def _check_block_k(name: str, block_k: int, dim: int, dim_name: str) -> int:
@@ -314,7 +324,7 @@ def prepare_weights(w13: torch.Tensor, w13_scales: torch.Tensor, w2: torch.Tenso
     _check_scales_finite("w2_scales", w2_scales)
     w13, w13_scales, w2, w2_scales = (t.contiguous() for t in (w13, w13_scales, w2, w2_scales))
     row_block = 1
-    wide_up, wide_down = bool((w13_scales > 128).any()), bool((w2_scales > 128).any())
+    wide_up, wide_down = (_wide_scales(s) for s in (w13_scales, w2_scales))
     if layout in TILED_LAYOUTS:
         words = encode_words if layout == "wgmma_decode" else (lambda t, bk: t)
         row_block = ROW_BLOCK if latent % ROW_BLOCK == 0 else MX_BLOCK  # divides L and 2I
