@@ -50,7 +50,9 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
     timings = {k: {s: {b: {"tuned": c.get("_us"), "default": c.get("_default_us")}
                        for b, c in buckets.items()}
                    for s, buckets in shapes.items()} for k, shapes in done.items()}
-    table = {"gpu": name, "triton": triton.__version__, "torch": torch.__version__,
+    # The GPU's capability, SMs and memory: what a GPU without a table of its own is
+    # matched on when it falls back to the nearest table (tuning.nearest_table).
+    table = {"gpu": name, **tuning.header_fields(), "triton": triton.__version__, "torch": torch.__version__,
              "date": datetime.date.today().isoformat(),
              "dims": "Kimi-K3 (H 7168, L 3584, E 896, K 16, I 3072) rank-local shapes",
              "kernels": kernels, "timings_us": timings}
