@@ -138,12 +138,13 @@ def dry_time(fn) -> float:
     return 1e-6
 
 
-def bench(fn) -> float:
-    """Median seconds of one ``fn`` call, replayed from a CUDA graph of many calls, so that
-    host launch overhead (tens of µs a Triton launch) stays out of device time."""
+def bench(fn, rep: int = 50) -> float:
+    """Median seconds of one ``fn`` call, replayed from a CUDA graph of many calls (about
+    ``rep`` ms of them), so that host launch overhead (tens of µs a Triton launch) stays
+    out of device time."""
     if DRY:
         return dry_time(fn)
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
 
 
 def bench_eager(fn) -> float:
