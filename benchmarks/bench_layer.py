@@ -685,9 +685,9 @@ def batch_invariance(layer, cfg, widest, label):
 
 # ------------------------------------------------------------------------------ output
 
-def print_rows(shape, b):
+def print_rows(shape, b, impl=None):
     for r in ROWS:
-        if r["shape"] == shape and r["b"] == b:
+        if r["shape"] == shape and r["b"] == b and impl in (None, r["impl"]):
             print(f"   {r['shape']:>5} {r['b']:>5} {r['stage']:<18} {r['impl']:<34} "
                   f"{r['us']:>9.1f} us  floor {r['floor_us']:>8.1f} us  "
                   f"{r['of_copy_bw']:>6.1%} of copy BW  {r['check']}  {r['after']}", flush=True)

@@ -67,6 +67,9 @@ SEED_US = [("grouped front", 192, 381.6), ("grouped front", 256, 399.2),
 # H100 SXM 3.35 TB/s, H200 4.8 TB/s (NVIDIA's H100 / H200 product pages).
 GB300_HBM = 8.0e12
 SPEC_HBM = {"H100": 3.35e12, "H200": 4.8e12}
+# NVLink a direction per GPU: NVLink 4 (H100/H200 SXM) 450 GB/s, NVLink 5 (GB300) 900 GB/s
+# (half of the 900 GB/s and 1.8 TB/s both ways the vendors state).
+NVLINK = {"H100": 450e9, "H200": 450e9}
 
 
 class PrefilledPeers:
@@ -253,6 +256,13 @@ def rank_floor(cfg: WideMoEConfig, b: int, touched: int) -> dict[str, int]:
     }
 
 
+def peer_bytes(cfg: WideMoEConfig, b: int) -> int:
+    """Bytes rank 0 writes into its T - 1 peers' memory a call (over NVLink on a real
+    node, unicast): its mailbox shards and both tail partials."""
+    shard_row = cfg.experts_per_rank * 4 + cfg.latent_per_rank * 2
+    return (cfg.tp - 1) * b * (shard_row + (cfg.latent + cfg.hidden) * 2)
+
+
 # Each stage row's share of the floor (finalize's is nothing: it moves only intermediates).
 STAGE_FLOOR = {"front": ("front",), "publish": ("publish",),
                "route+plan (polled)": ("route",), "experts": ("experts",), "finalize": (),
@@ -351,12 +361,14 @@ class Rank0Run:
         self.tag = gpu_tag(machine.name)
         self.parts: dict[tuple, dict[str, int]] = {}   # (shape, routing, b) -> floor parts
         self.touched: dict[tuple, int] = {}            # (shape, routing, b) -> experts touched
+        self.cfgs: dict[str, WideMoEConfig] = {}       # shape label -> its dims
         self.notes: list[str] = []
 
     # -- one shape
 
     def shape(self, label: str, cfg: WideMoEConfig, batches, with_stages: bool = True):
         bl = self.bl
+        self.cfgs[label] = cfg
         group = draw_group(cfg, self.seed, bl.DEVICE)
         layer = group.ranks[0]
         layer.group = PrefilledPeers()
@@ -400,7 +412,7 @@ class Rank0Run:
         if with_stages:
             self.stages(label, layer, x, words, b, impl, parts)
         rearm_all(group)
-        bl.print_rows(label, b)
+        bl.print_rows(label, b, impl)
 
     def layer_seconds(self, call) -> float:
         """``bench`` of the layer's call; where that graph of many calls cannot be made,
@@ -481,8 +493,10 @@ class Rank0Run:
         return lines
 
     def layer_table(self, rows) -> list[str]:
+        link = NVLINK.get(self.tag)
         lines = ["| shape | routing | b | experts touched | µs | floor µs | of floor | "
-                 "pre-fill µs (excluded) | floor MB |", "|---|---|---|---|---|---|---|---|---|"]
+                 "pre-fill µs (excluded) | floor MB | to peers MB (NVLink µs, not timed) |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if r["stage"] != LAYER:
                 continue
@@ -493,8 +507,15 @@ class Rank0Run:
             lines.append(f"| {r['shape']} | {routing} | {r['b']} | {touched} | {r['us']:.1f} | "
                          f"{r['floor_us']:.1f} | {r['of_copy_bw']:.0%} | "
                          f"{fill['us'] if fill else float('nan'):.1f} | "
-                         f"{sum(parts.values()) / 1e6:.1f} |")
+                         f"{sum(parts.values()) / 1e6:.1f} | {self.peer_cell(r, link)} |")
         return lines
+
+    def peer_cell(self, r, link) -> str:
+        """Rank 0's bytes into its peers, and their time at this GPU's NVLink rate a
+        direction where known."""
+        nbytes = peer_bytes(self.cfgs[r["shape"]], r["b"])
+        at = f" ({nbytes / link * 1e6:.0f} µs at {link / 1e9:.0f} GB/s)" if link else ""
+        return f"{nbytes / 1e6:.1f}{at}"
 
     def stage_table(self, rows) -> list[str]:
         """Per stage: µs, its floor share, µs over that share; the stage with the most µs
@@ -568,18 +589,26 @@ ASSUMPTIONS = [
     "slowest rank (or for the peers' skew) is in these µs; the seed's is the slowest rank's.",
     "- NVLink: rank 0's writes to its peers' mailbox and tail rows land in this GPU's own "
     "memory (the peers' buffers are local), and the peers' writes into rank 0 are the "
-    "pre-fill copies, whose time is subtracted: no NVLink traffic or latency is timed.",
+    "pre-fill copies, whose time is subtracted: no NVLink traffic or latency is timed. "
+    "The 'to peers' column gives what rank 0 would send (unicast, one-shot all-reduces: "
+    "T - 1 copies of both partials) and its time at the NVLink rate, overlapped or not; "
+    "the seed multicasts its mailbox rows and runs FlashInfer's all-reduce in its tail.",
     "- the pre-fill copies run before each call in the graph; with them subtracted, what "
     "they leave in L2 (the peers' words, read by rank 0's polls just after) may still "
     "make the polls cheaper than over NVLink.",
     "- no other layer between calls: the replays run back to back (the experts' "
     "hundreds of MB evict the dense weights from L2 each call, as other layers would).",
     "- the seed's floor is counted with our per-rank bytes (its design moves the same "
-    "weights; its mailbox is multicast, ours unicast: the exchange bytes are small beside "
-    "the experts') and GB300's spec bandwidth, not a measured copy rate.",
+    "weights; its mailbox is multicast, ours unicast: at TP8 the exchanges are under 6% "
+    "of the bytes up to b = 320) and GB300's spec bandwidth, not a measured copy rate.",
+    "",
     "Floor bytes (rank 0 of T): its I/T slice of every touched expert with scales; its "
     "router rows and latent-down shard and x read once; its logits + latent shards "
     "written into T mailbox rows and its own mailbox row read (re-arm writes not "
     "counted); its latent and hidden partials written into T tail slots and its own T "
-    "slots read; its up-projection columns; its shared-expert slice; the output written.",
+    "slots read; its up-projection columns; its shared-expert slice; the output written. "
+    "The tail's share grows as T·b: the one-shot all-reduces write T copies of both "
+    "partials and read T slots, 4·T·b·(L + H) bytes (TP16, b = 1024: 0.7 GB beside about "
+    "1 GB of experts); a two-shot all-reduce (reduce-scatter, all-gather) moves about "
+    "8·b·(L + H) whatever T.",
 ]
