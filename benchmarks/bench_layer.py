@@ -4,7 +4,7 @@ bandwidth floor, in one run on one GPU (docs/design.md, benchmarks/NOTES.md).
     python benchmarks/bench_layer.py [--batches 65 128 256 512 1024] [--shapes tp8 tp16 tp1]
                                      [--out DIR] [--no-peers] [--experts-only]
                                      [--layer-only] [--stock-batches 1 65 ...]
-                                     [--simulated 2] [--dry-run]
+                                     [--simulated 2] [--rank0] [--dry-run]
 
 ``--shapes``: ``tpN`` times rank 0 of T = N at production dims on this one GPU (every
 stage, rank-local shapes); ``tp1`` adds the whole layer (WideMoE eager and CUDA graph
@@ -18,6 +18,11 @@ after the check call, at ``--stock-batches``.
 stages one after another on one stream): every rank's output checked for the same bits,
 the group's CUDA graph checked against eager and timed (the T ranks' work in series:
 not a multi-GPU timing), and batch invariance on every rank.
+``--rank0`` times rank 0's whole layer of each ``--shapes`` tpN instead, on this one
+GPU, its peers' words pre-filled so its polls never wait (benchmarks/rank0.py), at
+b = 65 80 160 192 256 320 640 1024 unless ``--batches`` names others, with uniform and
+balanced routing, stage by stage too, beside its per-rank floor and the seed's figures:
+``<GPU>-tp8-layer.csv`` and ``.md`` in ``--out``.
 ``--dry-run`` runs the same code at ``WideMoEConfig.tiny`` dims on the CPU (Triton's
 interpreter, one untimed call a row, nominal floors): it checks the script, not the
 kernels' speed.
@@ -75,6 +80,7 @@ from wide_moe_triton.kernels import tail as tail_k  # noqa: E402
 from wide_moe_triton.sharding import shard  # noqa: E402
 
 import peers  # noqa: E402  (benchmarks/peers.py: the peers that need outside code)
+import rank0  # noqa: E402  (benchmarks/rank0.py: --rank0)
 
 ROWS: list[dict] = []
 NOTES: list[str] = []   # lines for the markdown below the table (invariance, skips)
@@ -132,12 +138,13 @@ def dry_time(fn) -> float:
     return 1e-6
 
 
-def bench(fn) -> float:
-    """Median seconds of one ``fn`` call, replayed from a CUDA graph of many calls, so that
-    host launch overhead (tens of µs a Triton launch) stays out of device time."""
+def bench(fn, rep: int = 50) -> float:
+    """Median seconds of one ``fn`` call, replayed from a CUDA graph of many calls (about
+    ``rep`` ms of them), so that host launch overhead (tens of µs a Triton launch) stays
+    out of device time."""
     if DRY:
         return dry_time(fn)
-    return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e-3
 
 
 def bench_eager(fn) -> float:
@@ -678,9 +685,9 @@ def batch_invariance(layer, cfg, widest, label):
 
 # ------------------------------------------------------------------------------ output
 
-def print_rows(shape, b):
+def print_rows(shape, b, impl=None):
     for r in ROWS:
-        if r["shape"] == shape and r["b"] == b:
+        if r["shape"] == shape and r["b"] == b and impl in (None, r["impl"]):
             print(f"   {r['shape']:>5} {r['b']:>5} {r['stage']:<18} {r['impl']:<34} "
                   f"{r['us']:>9.1f} us  floor {r['floor_us']:>8.1f} us  "
                   f"{r['of_copy_bw']:>6.1%} of copy BW  {r['check']}  {r['after']}", flush=True)
@@ -792,6 +799,23 @@ def shape_part(stock, tp, label, args, layer_batches, machine) -> None:
                with_peers=not args.no_peers, experts_only=args.experts_only)
 
 
+def rank0_part(args, machine) -> None:
+    """``--rank0``: rank 0's whole layer of each shape (benchmarks/rank0.py), its files
+    rewritten after every width (a run stopped by its timeout keeps them)."""
+    run = rank0.Rank0Run(sys.modules[__name__], machine, pathlib.Path(args.out))
+    for label in args.shapes:
+        cfg = dims(int(label[2:]))
+        t0 = time.time()
+        try:
+            run.shape(label, cfg, [b for b in args.batches if b <= cfg.wide_rows])
+        except Exception:
+            traceback.print_exc()
+        print(f"# {label} done in {time.time() - t0:.0f} s", flush=True)
+    run.write()
+    for line in run.markdown(run.rows()):
+        print(line)
+
+
 def keep_rows_on_sigterm(out_dir: pathlib.Path, machine) -> None:
     """On SIGTERM (``timeout``'s signal), write the rows timed so far, then exit 124:
     a run stopped inside a part keeps the part's finished rows too."""
@@ -808,7 +832,8 @@ def keep_rows_on_sigterm(out_dir: pathlib.Path, machine) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", type=int, nargs="+", default=[65, 128, 256, 512, 1024])
+    p.add_argument("--batches", type=int, nargs="+", default=None,
+                   help="widths (default: 65 128 256 512 1024; with --rank0, rank0.WIDTHS)")
     # tp1 last: its stock layer's calls take seconds, so a run cut short keeps the others
     p.add_argument("--shapes", nargs="+", default=["tp8", "tp16", "tp1"])
     p.add_argument("--layer-batches", type=int, nargs="+", default=None,
@@ -823,6 +848,9 @@ def main(argv=None):
                    help="time only the experts rows (ours and the peers); no whole layer")
     p.add_argument("--layer-only", action="store_true",
                    help="at tp1, the whole layer alone (no rank stages)")
+    p.add_argument("--rank0", action="store_true",
+                   help="rank 0's whole layer of each --shapes tpN, peers pre-filled, beside "
+                        "its floor and the seed's figures (benchmarks/rank0.py)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny dims on the CPU (interpreter), untimed: checks the script")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -832,8 +860,15 @@ def main(argv=None):
             p.error(f"--shapes takes tpN (N = tensor-parallel size), got {label!r}")
     if args.layer_only and args.experts_only:
         p.error("--layer-only and --experts-only leave nothing to time together")
+    if args.rank0 and "tp1" in args.shapes:
+        p.error("--rank0 times a rank of T > 1: give --shapes tpN with N > 1")
+    if args.rank0:
+        args.batches = args.batches or rank0.WIDTHS
+    args.batches = args.batches or [65, 128, 256, 512, 1024]
     layer_batches = args.layer_batches or sorted({1, *args.batches})
     machine = header()
+    if args.rank0:
+        return rank0_part(args, machine)
     keep_rows_on_sigterm(pathlib.Path(args.out), machine)
     if not args.no_peers:
         for name, status in peers.availability().items():

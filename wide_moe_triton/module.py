@@ -635,26 +635,33 @@ class SimulatedGroup:
             total = total + p.float()
         return total.to(torch.bfloat16)
 
-    def __call__(self, x: torch.Tensor, skip_publish: set[int] = frozenset()) -> list:
+    def __call__(self, x: torch.Tensor, skip_publish: set[int] = frozenset(),
+                 tap=None) -> list:
         """Every rank's output for x (each rank sees the same x), in chunks of wide_rows
         rows as ``WideMoE``; ``skip_publish`` names ranks that publish nothing, neither
-        into the mailbox nor into the tail rows (to test the poll timeouts)."""
+        into the mailbox nor into the tail rows (to test the poll timeouts). ``tap``, if
+        given, is called with "mailbox", "latent" and "hidden" once every rank has
+        published into that exchange and before any rank reads it (mailbox all-reduce),
+        so a caller can copy what the ranks published (benchmarks/rank0.py)."""
         x = check_input(x, self.cfg.hidden, self.ranks[0].device)
         rows = self.cfg.wide_rows
         if x.shape[0] <= rows:
-            return self._call(x, skip_publish)
-        chunks = [self._call(x[i:i + rows], skip_publish) for i in range(0, x.shape[0], rows)]
+            return self._call(x, skip_publish, tap)
+        chunks = [self._call(x[i:i + rows], skip_publish, tap)
+                  for i in range(0, x.shape[0], rows)]
         return [torch.cat(outs) for outs in zip(*chunks)]
 
-    def _call(self, x: torch.Tensor, skip: set[int]) -> list:
+    def _call(self, x: torch.Tensor, skip: set[int], tap=None) -> list:
         b = x.shape[0]
         if b == 0:
             return [x.new_empty(0, self.cfg.hidden) for _ in self.ranks]
         ranks = self.ranks
         shared = [m.shared(x) for m in ranks]
+        tap = tap or (lambda exchange: None)
         for m in ranks:
             if m.rank not in skip:
                 m.publish(x)
+        tap("mailbox")
         latent = [m.routed(b) for m in ranks]
         if self.all_reduce == "nccl":
             total = self._reduce([t.clone() for t in latent])
@@ -663,11 +670,13 @@ class SimulatedGroup:
         for m, t in zip(ranks, latent):
             if m.rank not in skip:
                 m.publish_latent(t)
+        tap("latent")
         for m, t, s in zip(ranks, latent, shared):
             m.norm_up(t, s)
         for m, s in zip(ranks, shared):
             if m.rank not in skip:
                 m.publish_hidden(s)
+        tap("hidden")
         return [m.reduce_hidden(s) for m, s in zip(ranks, shared)]
 
 

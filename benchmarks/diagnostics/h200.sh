@@ -26,6 +26,9 @@
 #   bench  bench_layer over tp8, tp16, then tp1 (whole layer, its batch-invariance line at
 #          E = 896) last, its stock calls being seconds each (BENCH_SHAPES to choose;
 #          results written after each shape and on the timeout's SIGTERM)
+#   rank0  rank 0's whole TP8 and TP16 layer, its peers' words pre-filled, at the seed's
+#          widths, beside its per-rank floor and the seed's figures (bench_layer --rank0;
+#          BENCH_SHAPES to choose): $OUT/<GPU>-tp8-layer.csv and .md
 # Every step runs under `timeout`, bounded by what is left of the call's time
 # (BUDGET seconds, default 560), its log under $OUT; a summary is printed last.
 # The peers need .peers/ (benchmarks/NOTES.md, "Peers"). Compiled kernels go to .triton-cache/
@@ -182,7 +185,13 @@ print('table', c.source, c.path, t.get('date'), sorted(t.get('kernels', {})))" >
     show layer_tp1 "^# .* done in|batch invariance|^!!|Traceback|SIGTERM" 20
     [[ -f "$OUT/results.md" ]] && sed "s/^/  results| /" "$OUT/results.md" >> "$SUMMARY"
     ;;
-  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|layer|bench|regs" >&2; exit 2 ;;
+  rank0)
+    step rank0 545 120 python benchmarks/bench_layer.py --rank0 --shapes ${BENCH_SHAPES:-tp8 tp16} \
+      --out "$OUT"
+    show rank0 "^# .* done in|^!!|differs|Traceback|SIGTERM" 30
+    for md in "$OUT"/*-tp8-layer.md; do [[ -f "$md" ]] && sed "s/^/  rank0| /" "$md" >> "$SUMMARY"; done
+    ;;
+  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|layer|bench|regs|rank0" >&2; exit 2 ;;
 esac
 echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
 cat "$SUMMARY"
