@@ -5,7 +5,8 @@ FP32/BF16 bit conversions that several stages share, ``situ.py`` the activation 
 routed and the shared experts share, ``pdl.py`` the programmatic dependent launch from
 the experts' down kernel to finalize. The front GEMM (``front.py``) also carries every
 other dense linear (the shared expert's, ``shared.py``; the tail's up-projection,
-``tail.py``), each under its own tuning name."""
+``tail.py``), each under its own tuning name. ``compat.py`` gives Triton's interpreter
+Triton 3.9's definitions on the older Tritons that pyproject admits."""
 
 import contextlib
 import os
@@ -15,6 +16,11 @@ import torch
 
 # Decided once, as ``triton.jit`` decides at import whether the kernels run interpreted.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+if _INTERPRETED:  # before any kernel is defined or launched
+    from .compat import match_interpreter_to_triton_3_9
+
+    match_interpreter_to_triton_3_9()
 
 
 def check_device(device) -> None:
