@@ -113,8 +113,18 @@ class Ranks:
                 p.join(5)
 
 
+def cpu_rank_environment(env) -> None:
+    """Make ``env`` (a process's environment, before it imports torch or the package) a
+    CPU rank's: the kernels in Triton's interpreter and no GPU visible, so the rank runs
+    the same path on a machine with GPUs as on one without (``triton.jit`` reads
+    TRITON_INTERPRET once, when the package is imported)."""
+    env["TRITON_INTERPRET"] = "1"
+    env["CUDA_VISIBLE_DEVICES"] = ""
+
+
 def _serve(rank: int, world: int, init: str, conn) -> None:
     """A rank's loop: join the group, then run each job sent until None."""
+    cpu_rank_environment(os.environ)
     import conftest  # noqa: F401  (the interpreter's once-a-launch patch, as in the tests)
     import datetime
 
@@ -175,6 +185,31 @@ def job_forward(state, b, seed, rows=None):
         e.args = (f"{e.args[0] if e.args else e} [after {time.monotonic() - start:.2f} s]",)
         raise
     return to_numpy(out), time.monotonic() - start
+
+
+def job_simulated(state, cfg, world, b, seed, all_reduce="mailbox", seed_layer=0):
+    """``SimulatedGroup``'s every rank's output bits for ``make_x(b, seed)`` (one call a
+    ``wide_rows`` rows, as the module chunks) and, a token a row, whether its plan flipped
+    against the stock path (``test_module.plan_flips``): computed in a rank's process,
+    the interpreter's, wherever the tests run. The group is made once a (world,
+    all_reduce)."""
+    import torch
+
+    from test_module import plan_flips
+    from wide_moe_triton import LatentMoE, SimulatedGroup
+
+    key = ("simulated", world, all_reduce, seed_layer, cfg)
+    if key not in state:
+        stock = LatentMoE(cfg, seed=seed_layer)
+        state[key] = (stock, SimulatedGroup(stock, world, all_reduce=all_reduce))
+    stock, group = state[key]
+    x = make_x(b, seed, cfg.hidden)
+    outs, flips = [], []
+    for i in range(0, b, cfg.wide_rows):
+        chunk = x[i:i + cfg.wide_rows]
+        outs.append(group(chunk))
+        flips.append(plan_flips(stock, chunk, group.ranks[0].scratch))
+    return [to_numpy(torch.cat(o)) for o in zip(*outs)], torch.cat(flips).numpy()
 
 
 def job_silent(state):

@@ -14,9 +14,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from conftest import QUICK
-from ranks import Died, Ranks, as_bits, from_numpy, make_x
-from test_module import assert_close_to_stock, plan_flips
+from conftest import DEVICE, QUICK
+from ranks import Died, Ranks, as_bits, cpu_rank_environment, from_numpy, make_x
+from test_module import assert_close_to_stock
 from wide_moe_triton import LatentMoE, SimulatedGroup, WideMoEConfig, checkpoint
 from wide_moe_triton.kernels import mailbox as mailbox_k
 from wide_moe_triton.processes import PREFIX, SHM_DIR
@@ -41,19 +41,6 @@ def pair(tmp_path_factory):
         yield ranks
 
 
-@pytest.fixture(scope="module")
-def simulated(stock):
-    """``simulated(T, all_reduce)``: a SimulatedGroup of the stock layer, made once."""
-    made = {}
-
-    def get(world, all_reduce="mailbox"):
-        if (world, all_reduce) not in made:
-            made[world, all_reduce] = SimulatedGroup(stock, world, all_reduce=all_reduce)
-        return made[world, all_reduce]
-
-    return get
-
-
 def build(ranks, **kwargs) -> list[str]:
     """Build the layer on every rank; its segment names, checked already unlinked (they
     are, once every rank has mapped every segment)."""
@@ -71,15 +58,18 @@ def assert_no_segment(names) -> None:
     assert not left, f"left in {SHM_DIR}: {left}"
 
 
-def simulated_outputs(group, stock, x):
-    """Every rank's output of ``group`` for x, a call per wide_rows rows as the module
-    chunks, and the tokens whose plan flipped against the stock path (``plan_flips``)."""
-    outs, flips = [], []
-    for i in range(0, x.shape[0], CFG.wide_rows):
-        chunk = x[i:i + CFG.wide_rows]
-        outs.append(group(chunk))
-        flips.append(plan_flips(stock, chunk, group.ranks[0].scratch))
-    return [torch.cat(o) for o in zip(*outs)], torch.cat(flips)
+def simulated_outputs(ranks, world, b, seed, all_reduce="mailbox"):
+    """``SimulatedGroup``'s every rank's output for ``make_x(b, seed)`` at T = ``world``, a
+    call per wide_rows rows as the module chunks, and the tokens whose plan flipped
+    against the stock path (``plan_flips``): computed by rank 0 of ``ranks``, whose
+    kernels run in the interpreter wherever the tests run (this process may have a GPU
+    and no interpreter)."""
+    reply = ranks.call("simulated", ranks=[0], cfg=CFG, world=world, b=b, seed=seed,
+                       all_reduce=all_reduce)[0]
+    if isinstance(reply, Exception):
+        raise AssertionError(f"rank 0's SimulatedGroup: {reply}")
+    outs, flips = reply
+    return [from_numpy(o) for o in outs], torch.from_numpy(flips)
 
 
 def bits(t):
@@ -91,13 +81,13 @@ def bits(t):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @given(b=st.integers(1, 12), seed=st.integers(0, 2 ** 16))
 @settings(max_examples=2 if QUICK else 3)
-def test_ranks_equal_simulated_group_and_stock(request, simulated, stock, world, b, seed):
+def test_ranks_equal_simulated_group_and_stock(request, stock, world, b, seed):
     # b up to 12 > wide_rows = 8: some calls run in two chunks, as SimulatedGroup's.
     ranks = request.getfixturevalue("pair" if world == 2 else "quad")
     build(ranks)
     outs = [from_numpy(o) for o in as_bits(ranks.call("forward", b=b, seed=seed))]
     x = make_x(b, seed, CFG.hidden)
-    expected, flipped = simulated_outputs(simulated(world), stock, x)
+    expected, flipped = simulated_outputs(ranks, world, b, seed)
     for r, out in enumerate(outs):
         assert torch.equal(bits(out), bits(expected[r])), f"rank {r}"
     assert_close_to_stock(outs[0], stock(x), flipped)
@@ -106,7 +96,7 @@ def test_ranks_equal_simulated_group_and_stock(request, simulated, stock, world,
 
 @given(b=st.integers(1, 12), seed=st.integers(0, 2 ** 16))
 @settings(max_examples=2)
-def test_nccl_tail_over_gloo(pair, simulated, stock, b, seed):
+def test_nccl_tail_over_gloo(pair, stock, b, seed):
     # all_reduce="nccl" runs the tail's sums on the group's all-reduce (gloo's here). Two
     # BF16 partials' sum rounded once is the same value whatever the order, so it equals
     # the host-side stand-in's; the sign of a zero may differ (-0 + -0), hence values,
@@ -114,7 +104,7 @@ def test_nccl_tail_over_gloo(pair, simulated, stock, b, seed):
     build(pair, all_reduce="nccl")
     outs = [from_numpy(o) for o in as_bits(pair.call("forward", b=b, seed=seed))]
     x = make_x(b, seed, CFG.hidden)
-    expected, flipped = simulated_outputs(simulated(2, "nccl"), stock, x)
+    expected, flipped = simulated_outputs(pair, 2, b, seed, "nccl")
     assert torch.equal(bits(outs[0]), bits(outs[1]))
     assert torch.equal(outs[0], expected[0])
     assert_close_to_stock(outs[0], stock(x), flipped)
@@ -157,7 +147,7 @@ def seconds_of(reply) -> float:
     return float(str(reply).split("[after ")[1].split(" s]")[0])
 
 
-def test_silent_rank_is_named_then_rearm_makes_next_call_exact(pair, simulated):
+def test_silent_rank_is_named_then_rearm_makes_next_call_exact(pair):
     # Rank 1 publishes nothing: both ranks raise naming rank 1 (rank 1 too: its own
     # columns never came) once the bound has passed, not before and not much after;
     # rearm on every rank, and the next call has the bits of a clean one.
@@ -170,7 +160,7 @@ def test_silent_rank_is_named_then_rearm_makes_next_call_exact(pair, simulated):
     pair.call("speak", ranks=[1])
     pair.call("rearm")
     outs = as_bits(pair.call("forward", b=5, seed=11))
-    expected = simulated(2)(make_x(5, 11, CFG.hidden))
+    expected, _ = simulated_outputs(pair, 2, 5, 11)
     for r in range(2):
         assert torch.equal(bits(from_numpy(outs[r])), bits(expected[r])), f"rank {r}"
     assert all(pair.call("empty"))
@@ -245,9 +235,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def torchrun(*args, nproc: int, timeout: float = 240):
     """``torchrun --standalone --nproc-per-node nproc *args`` with this checkout first on
-    the path."""
+    the path, its ranks CPU ranks (the interpreter, no GPU) wherever the tests run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    cpu_rank_environment(env)
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc-per-node={nproc}", *args],
@@ -325,13 +316,14 @@ def test_host_wait_names_the_ranks_whose_mailbox_words_are_missing(world, data):
     # A rank that publishes every row but the last is missing too.
     short = data.draw(st.sets(st.sampled_from(sorted(published))) if published and rows > 1
                       else st.just(set()), label="short")
-    boxes = [mailbox_k.empty_mailbox(cfg, "cpu") for _ in range(world)]
+    boxes = [mailbox_k.empty_mailbox(cfg, DEVICE) for _ in range(world)]
     table = mailbox_k.mailbox_table(boxes)
-    generation = torch.tensor([parity], dtype=torch.int32)
+    generation = torch.tensor([parity], dtype=torch.int32, device=DEVICE)
     gen = torch.Generator().manual_seed(rows)
     for r in published:
         n = rows - 1 if r in short else rows
-        front = torch.randn(n, cfg.experts_per_rank + cfg.latent_per_rank, generator=gen)
+        front = torch.randn(n, cfg.experts_per_rank + cfg.latent_per_rank,
+                            generator=gen).to(DEVICE)
         mailbox_k.publish(front, table, r, world, generation, cfg.latent, cfg.num_experts,
                           wide_rows=cfg.wide_rows)
     expected = sorted(set(range(world)) - (published - short))
@@ -351,12 +343,12 @@ def test_host_wait_names_the_ranks_whose_tail_slots_are_missing(world, which, da
     dims = mailbox_k.tail_dims(cfg)
     rows = data.draw(st.integers(1, cfg.wide_rows), label="rows")
     published = data.draw(st.sets(st.integers(0, world - 1)), label="published")
-    tails = [mailbox_k.empty_tail(cfg, "cpu") for _ in range(world)]
+    tails = [mailbox_k.empty_tail(cfg, DEVICE) for _ in range(world)]
     table = mailbox_k.tail_table(tails)
     width = cfg.latent if which == "latent" else cfg.hidden
     for r in published:
         partial = torch.randn(rows, width, generator=torch.Generator().manual_seed(r))
-        mailbox_k.publish_partial(partial.bfloat16(), table, r, dims, which)
+        mailbox_k.publish_partial(partial.bfloat16().to(DEVICE), table, r, dims, which)
     expected = sorted(set(range(world)) - published)
     other = "hidden" if which == "latent" else "latent"
     for tail in tails:
@@ -366,16 +358,17 @@ def test_host_wait_names_the_ranks_whose_tail_slots_are_missing(world, which, da
     assert_wait(lambda: mailbox_k.missing_in_tail(tails[-1], dims, rows, which), expected, place)
 
 
-def test_rearm_returns_the_scratch_to_a_fresh_one(stock):
+def test_rearm_returns_the_scratch_to_a_fresh_one():
     # After calls, the call counter and the routing lists' counts are not zero; rearm
     # zeroes them with the mailbox and the error record (ranks a fault left a call apart
     # then agree again), and the next call has a fresh module's bits.
     from wide_moe_triton import WideMoE
 
+    stock = LatentMoE(CFG, seed=0, device=DEVICE)
     wide = WideMoE.from_module(stock)
-    x = make_x(2, 1, CFG.hidden)
+    x = make_x(2, 1, CFG.hidden).to(DEVICE)
     wide(x)
-    wide(make_x(1, 2, CFG.hidden))
+    wide(make_x(1, 2, CFG.hidden).to(DEVICE))
     s = wide.scratch
     assert int(s.lists.generation[0]) == 2 and int(s.lists.counts.abs().sum()) > 0
     s.error.fill_(3)
