@@ -116,3 +116,24 @@ def test_shape_errors():
 
     with pytest.raises(ValueError, match="multiple of 32"):
         mx.quantize_mxfp8(torch.zeros(2, 33))
+
+
+@given(lead=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+       blocks=st.integers(1, 4), piece=st.integers(1, 300), seed=st.integers(0, 2 ** 16),
+       specials=st.booleans())
+def test_mxfp4_in_pieces_equals_at_once(lead, blocks, piece, seed, specials):
+    # quantize_mxfp4 cuts its input into pieces of whole rows (bounded memory); a row's
+    # blocks never straddle two pieces, so every piece size gives the bits of one pass,
+    # NaN and Inf blocks included.
+    x = torch.randn(*lead, 32 * blocks, generator=torch.Generator().manual_seed(seed)) * 4
+    if specials:
+        x.view(-1)[seed % x.numel()] = float("nan")
+        x.view(-1)[(seed * 7) % x.numel()] = float("-inf")
+    whole = mx._quantize_mxfp4(x)
+    default, mx.PIECE_ELEMENTS = mx.PIECE_ELEMENTS, piece
+    try:
+        pieces = mx.quantize_mxfp4(x)
+    finally:
+        mx.PIECE_ELEMENTS = default
+    for got, want in zip(pieces, whole):
+        assert got.shape == want.shape and torch.equal(got, want)

@@ -89,11 +89,32 @@ def _round_e2m1(y: torch.Tensor) -> torch.Tensor:
     return (code | sign).to(torch.uint8)
 
 
+# Elements quantized at once by ``quantize_mxfp4``: its temporaries (int64 grid indices
+# among them) take about 40 bytes an element, so a whole layer's experts at once took
+# tens of GiB; rows are independent, so pieces of rows give the same bits.
+PIECE_ELEMENTS = 1 << 24
+
+
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 of ``x`` [..., n] along its last dim, two codes a byte, first in the low
-    nibble (the layout ``tl.dot_scaled`` reads for "e2m1").
+    nibble (the layout ``tl.dot_scaled`` reads for "e2m1"); in pieces of whole rows of
+    at most ``PIECE_ELEMENTS`` (one row at least).
 
     Returns (packed codes uint8 [..., n/2], E8M0 scale bytes uint8 [..., n/32])."""
+    if x.dim() < 2:
+        return _quantize_mxfp4(x)
+    n = x.shape[-1]
+    rows = x.reshape(-1, n)
+    step = max(1, PIECE_ELEMENTS // max(1, n))
+    if rows.shape[0] <= step:
+        return _quantize_mxfp4(x)
+    pieces = [_quantize_mxfp4(rows[i:i + step]) for i in range(0, rows.shape[0], step)]
+    packed = torch.cat([p for p, _ in pieces]).reshape(*x.shape[:-1], n // 2)
+    scales = torch.cat([s for _, s in pieces]).reshape(*x.shape[:-1], n // MX_BLOCK)
+    return packed, scales
+
+
+def _quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = _blocks(x)
     exponent, finite = block_exponents(blocks, E2M1_EMAX)
     codes = _round_e2m1(_scaled(torch.nan_to_num(blocks, nan=0.0), exponent, E2M1_MAX))

@@ -11,12 +11,14 @@ kernels with; the module's ``forward`` is nothing but their composition.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import nn
 
 from . import layout, mx
 from .checks import check_input, check_tensor
-from .config import WideMoEConfig
+from .config import MX_BLOCK, WideMoEConfig
 
 
 def mm_f32(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
@@ -274,3 +276,92 @@ def _random_weights(cfg: WideMoEConfig, seed: int, device: torch.device) -> dict
     w["shared_gate_up"] = normal(2 * S, H, std=H ** -0.5).to(bf16)
     w["shared_down"] = normal(H, S, std=S ** -0.5).to(bf16)
     return w
+
+
+# ----------------------------------------------------------------------------- rank shards
+# ``random_shard`` draws random weights block by block, each block from its own seed, so
+# that a rank draws only its own slices and the whole layer (world = 1) is the ranks'
+# slices side by side, for every T: a rank never holds the whole layer to cut its shard
+# out of it. A block is the smallest slice any T takes: a router row, 32 rows (or 32
+# columns of I and S) of a matrix TP cuts, an expert's 32 rows of gate or up or 32
+# columns of down. These weights differ from ``LatentMoE(cfg, seed)``'s, which come
+# from one stream.
+
+def _block_seed(seed: int, name: str, *index: int) -> int:
+    """The seed of block ``index`` of tensor ``name`` (a 63-bit hash)."""
+    text = "/".join([str(seed), name, *map(str, index)]).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+class _BlockDraw:
+    """Normal draws of blocks on ``device``, each from its own seed."""
+
+    def __init__(self, seed: int, device: torch.device):
+        self.seed, self.device = seed, device
+        self.gen = torch.Generator(device=device)
+
+    def normal(self, shape, std: float, name: str, *index: int, mean: float = 0.0):
+        self.gen.manual_seed(_block_seed(self.seed, name, *index))
+        return torch.randn(*shape, generator=self.gen, device=self.device) * std + mean
+
+    def rows(self, name: str, blocks: range, width: int, std: float, *expert: int):
+        """Blocks of 32 rows of ``width`` stacked: [32 * len(blocks), width]."""
+        return torch.cat([self.normal((MX_BLOCK, width), std, name, *expert, j) for j in blocks])
+
+    def columns(self, name: str, blocks: range, height: int, std: float, *expert: int):
+        """Blocks of 32 columns of ``height`` side by side: [height, 32 * len(blocks)]."""
+        return torch.cat([self.normal((height, MX_BLOCK), std, name, *expert, j)
+                          for j in blocks], dim=1)
+
+
+def random_shard(cfg: WideMoEConfig, seed: int = 0, rank: int = 0, world: int = 1,
+                 device: str | torch.device = "cpu",
+                 draw_device: str | torch.device | None = None) -> "LatentMoE":
+    """Rank ``rank`` of ``world``'s shard of a random layer (``world`` = 1: the whole
+    layer), drawn block by block (see above) on ``draw_device`` (default ``device``) and
+    kept on ``device``: a rank draws and holds only its own slices, and the whole layer's
+    weights are the shards' side by side. The bits depend on the draw device's generator
+    (a CPU's and a GPU's differ), not on where they are kept: a whole layer on the CPU
+    drawn on a GPU equals that GPU's ranks' shards. The experts are drawn and quantized
+    one at a time, so the draw device holds at most one expert's FP32 weights."""
+    if not isinstance(world, int) or world < 1 or not isinstance(rank, int) or \
+            not 0 <= rank < world:
+        raise ValueError(f"rank must be in [0, world) and world >= 1, got rank {rank!r} of "
+                         f"world {world!r}")
+    cfg.replace(tp=world)  # raises unless every slice is whole MX blocks
+    device = torch.device(device)
+    draw = _BlockDraw(seed, torch.device(draw_device) if draw_device is not None else device)
+    H, L, E, I, S = (cfg.hidden, cfg.latent, cfg.num_experts, cfg.expert_intermediate,
+                     cfg.shared_intermediate)
+    mine = lambda n: range(rank * n // world // MX_BLOCK, (rank + 1) * n // world // MX_BLOCK)  # noqa: E731
+    bf16 = lambda t: t.to(torch.bfloat16).to(device)  # noqa: E731
+    per_rank = E // world
+    w = {"gate_weight": bf16(torch.stack([draw.normal((H,), H ** -0.5, "gate", e) for e in
+                                          range(rank * per_rank, (rank + 1) * per_rank)])),
+         "e_score_correction_bias": draw.normal((E,), 0.05, "bias").to(device),
+         "latent_down": bf16(draw.rows("latent_down", mine(L), H, H ** -0.5))}
+    w.update(_random_experts(cfg, draw, mine(I), device))
+    w["norm_weight"] = bf16(draw.normal((L,), 0.1, "norm", mean=1.0))
+    w["latent_up"] = bf16(draw.rows("latent_up", mine(H), L, L ** -0.5))
+    w["shared_gate_up"] = bf16(torch.cat([draw.rows("shared_gate", mine(S), H, H ** -0.5),
+                                          draw.rows("shared_up", mine(S), H, H ** -0.5)]))
+    w["shared_down"] = bf16(draw.columns("shared_down", mine(S), H, S ** -0.5))
+    return LatentMoE(cfg, weights=w, rank=rank, world=world)
+
+
+def _random_experts(cfg: WideMoEConfig, draw: _BlockDraw, blocks: range, device) -> dict:
+    """This rank's MXFP4 experts (``blocks``: its blocks of 32 along I), an expert at a
+    time into buffers on ``device``."""
+    E, L, I = cfg.num_experts, cfg.latent, cfg.expert_intermediate
+    rows = MX_BLOCK * len(blocks)
+    u8 = lambda *shape: torch.empty(*shape, dtype=torch.uint8, device=device)  # noqa: E731
+    w13, w13_s = u8(E, 2 * rows, L // 2), u8(E, 2 * rows, L // MX_BLOCK)
+    w2, w2_s = u8(E, L, rows // 2), u8(E, L, rows // MX_BLOCK)
+    for e in range(E):
+        gate_up = torch.cat([draw.rows("w1", blocks, L, L ** -0.5, e),
+                             draw.rows("w3", blocks, L, L ** -0.5, e)])
+        packed, scales = mx.quantize_mxfp4(gate_up)
+        w13[e].copy_(packed), w13_s[e].copy_(scales)
+        packed, scales = mx.quantize_mxfp4(draw.columns("w2", blocks, L, I ** -0.5, e))
+        w2[e].copy_(packed), w2_s[e].copy_(scales)
+    return {"w13": w13, "w13_scales": w13_s, "w2": w2, "w2_scales": w2_s}
