@@ -6,12 +6,16 @@
 
 Each rank (GPU LOCAL_RANK, NCCL, the mailbox in symmetric memory) builds only its own
 shard (Kimi-K3's dims drawn from --seed, or the checkpoint's slices), as the launcher
-does (``wide_moe_triton.launch``, ``torchrun ... -m wide_moe_triton``). At each width:
+does (``wide_moe_triton.launch``, ``torchrun ... -m wide_moe_triton``), and compiles
+every width's kernels before the first call (``WideMoE.warmup``). With --share-gpus on
+a node with fewer GPUs than ranks, rank r runs on GPU LOCAL_RANK % G over gloo: the GPU
+time-slices the ranks, so the table's times are not a multi-GPU node's (it says so).
+At each width:
 
 1. check: one eager call on every rank; every rank's output bits hashed and gathered
-   (all equal), rank 0's against the stock layer at T = 1 (relative error below 1e-2;
-   ``--no-stock`` skips it: the stock path takes about a second a call at these dims);
-   a width that fails is reported, never timed;
+   (all equal), rank 0's against the stock layer at T = 1 on the CPU (relative error
+   below 1e-2; ``--no-stock`` skips it: the stock path takes seconds a call there at
+   these dims); a width that fails is reported, never timed;
 2. capture one CUDA graph of the layer on every rank, replay it once and check the
    replay's output has the eager call's bits;
 3. time: a barrier, then ``--replays`` replays between two CUDA events on every rank
@@ -77,8 +81,8 @@ def check_width(args, me, stock, wide, x) -> tuple[bool, str, torch.Tensor]:
     ok, found = len(set(digests)) == 1, "ranks: same bits" if len(set(digests)) == 1 else \
         "ranks: bits DIFFER"
     if me.rank == 0 and not args.no_stock:
-        ref = stock(x)
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        ref = stock(x.cpu())  # the whole layer lives on the CPU (launch.build_layer)
+        err = ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item()
         ok, found = ok and err < launch.TOLERANCE, f"{found}; rel err vs stock {err:.1e}"
     verdict = [ok, found]
     dist.broadcast_object_list(verdict, src=0, group=me.group)
@@ -114,14 +118,17 @@ def time_width(args, me, wide, x, eager: torch.Tensor) -> tuple[float, bool]:
 def run(args, me) -> int:
     if args.replays < 1:
         raise launch.Failed(launch.EXIT_USAGE, f"--replays must be positive, got {args.replays}")
-    stock, wide = launch.build_layer(args, me)
+    stock, wide = launch.build_layer(args, me, stock=not args.no_stock)
     cfg = wide.cfg
     batches = args.batches or ([1, cfg.wide_rows + 1] if DRY else GPU_BATCHES)
+    wide.warmup(batches)  # no rank compiles inside a collective call
     lines = [launch.describe(me, cfg, args.all_reduce),
              f"{time.strftime('%Y-%m-%d')}, `{LAUNCHER}benchmarks/bench_tp.py "
-             f"{' '.join(sys.argv[1:])}`", "",
-             "| b | µs a call, fastest rank | median rank | slowest rank | check |",
-             "| --- | --- | --- | --- | --- |"]
+             f"{' '.join(sys.argv[1:])}`", ""]
+    if me.shared:
+        lines += [f"Ranks share a GPU: {launch.SHARED_NOTE}.", ""]
+    lines += ["| b | µs a call, fastest rank | median rank | slowest rank | check |",
+              "| --- | --- | --- | --- | --- |"]
     if me.rank == 0:
         print("\n".join(lines), flush=True)
     status = launch.EXIT_OK
@@ -147,6 +154,11 @@ def run(args, me) -> int:
         lines.append(row)
         if me.rank == 0:
             print(row, flush=True)
+    memory = launch.peak_memory_line(me)
+    if memory:
+        lines += ["", memory]
+        if me.rank == 0:
+            print(memory, flush=True)
     if me.rank == 0 and args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

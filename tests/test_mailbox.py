@@ -292,3 +292,50 @@ def test_reader_argument_errors_name_the_argument():
         M.empty_mailbox((4, 63, 16), DEVICE)
     with pytest.raises(ValueError, match=r"buffers\[1\]"):
         M.mailbox_table([buf, buf[:, :2]])
+
+
+def _route_with_rank_1_missing(error, **poll):
+    """A rank-0 route over 4 ranks of which rank 1 never published: (ids, seconds)."""
+    import time
+
+    ranks = Ranks(4, 128, 16, generation=0)
+    logits, lat = inputs(5, 3, 16, 128, False)
+    for r in (0, 2, 3):
+        ranks.publish(r, logits.to(DEVICE), lat.to(DEVICE))
+    start = time.monotonic()
+    ids, _ = R.route_mailbox(ranks.buffers[0], ranks.generation, 3,
+                             torch.zeros(16, device=DEVICE), 4, True, 1.0, latent=128,
+                             world=4, error=error, config=ROUTE_CFG, **poll)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    return ids, time.monotonic() - start
+
+
+@pytest.mark.parametrize("place", [0, M.TAIL_LATENT])
+def test_after_a_timeout_a_poll_reads_once_and_names_what_is_missing(place):
+    # A place already timed out this call: the next poll does not wait (rounds enough
+    # for hours in the interpreter, a minute on a GPU's clock) and still names rank 1.
+    error = M.new_error_record(DEVICE)
+    error[1] = 1 << place
+    ids, seconds = _route_with_rank_1_missing(error, spin_limit=10 ** 9, poll_timeout=60.0)
+    assert seconds < 30, seconds
+    assert error.tolist() == [0b10, (1 << place) | 1]
+    assert ((ids >= 0) & (ids < 16)).all()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="Triton's interpreter has no clock in a "
+                    "kernel: its polls are bounded in rounds (the host waits in seconds)")
+@pytest.mark.parametrize("seconds", [0.3, 1.5])
+def test_a_gpu_poll_waits_its_time_bound_then_names_the_missing_rank(seconds):
+    error = M.new_error_record(DEVICE)
+    _, took = _route_with_rank_1_missing(error, poll_timeout=seconds)
+    assert seconds <= took < seconds + 5, took
+    assert error.tolist() == [0b10, 1]
+
+
+def test_a_bad_poll_timeout_is_refused_by_name():
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="poll_timeout"):
+            M.poll_timeout_ns(bad)
+    assert M.poll_timeout_ns(None) == int(M.DEFAULT_POLL_TIMEOUT_S * 1e9)
+    assert M.poll_timeout_ns(2.5) == 2_500_000_000

@@ -31,6 +31,8 @@ import time
 EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_PEER = 0, 1, 2, 3
 TOLERANCE = 1e-2          # relative error against the stock layer that passes
 GROUP_TIMEOUT_S = 600     # a collective that waits longer than this fails the run
+SHARED_NOTE = ("the GPU time-slices the ranks: their bits are the product's, their times "
+               "are not a multi-GPU node's")
 
 DESCRIPTION = """\
 Run the MoE layer tensor-parallel over the processes torchrun starts (one a GPU, or
@@ -43,6 +45,22 @@ On a CPU the ranks join over gloo and share the mailbox through POSIX shared mem
 (/dev/shm); the kernels run in Triton's interpreter, at the tiny dims unless
 --checkpoint. On GPUs they join over NCCL, GPU LOCAL_RANK each, the mailbox in
 symmetric memory, at Kimi-K3's dims unless --tiny.
+
+Fewer GPUs than ranks on a node (testing): with --share-gpus rank r runs on GPU
+LOCAL_RANK % G of the node's G, the ranks join over gloo (NCCL does not run two ranks
+on one GPU) and symmetric memory lets them share a device
+(TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1). The GPU time-slices the processes: the
+bits are the product's, the times are not a multi-GPU node's. --all-reduce nccl is
+refused there (the tail would run over gloo through the host, which a CUDA graph
+cannot capture). Without --share-gpus such a node is refused, naming the flag.
+
+Each rank draws and holds only its own shard (reference.random_shard, or the
+checkpoint's slices); the whole stock layer, for rank 0's comparison, is held on the
+CPU (drawn on rank 0's GPU a block at a time) and runs there: at Kimi-K3's dims that
+takes seconds a width (--no-stock skips it; --experts N fewer experts). Before the
+first call every rank compiles every width's kernels (WideMoE.warmup), so no rank
+compiles inside a collective call. On GPUs each rank's peak memory
+(torch.cuda.max_memory_allocated) is printed last.
 
 Columns: b the batch width; stock s the stock layer's seconds (rank 0, T = 1); wide s
 the slowest rank's seconds (on a CPU the interpreter's, not a GPU's); max |diff| and rel
@@ -73,6 +91,10 @@ def parser() -> argparse.ArgumentParser:
                         "wide_rows wide_rows+1 on GPUs)")
     p.add_argument("--all-ranks", action="store_true",
                    help="every rank prints its own line a width (default: rank 0 only)")
+    p.add_argument("--no-stock", action="store_true",
+                   help="skip rank 0's comparison with the stock layer (on the CPU: "
+                        "seconds a width at Kimi-K3's dims); the ranks' bits are still "
+                        "compared")
     return p
 
 
@@ -89,11 +111,21 @@ def add_layer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of weights and inputs (0)")
     p.add_argument("--all-reduce", choices=("mailbox", "nccl"), default="mailbox",
                    help="the tail's all-reduces: over the mailbox in rank order (default), "
-                        "or the process group's (NCCL; gloo's on a CPU)")
+                        "or the process group's (NCCL; gloo's on a CPU; refused with "
+                        "--share-gpus)")
     p.add_argument("--poll-timeout", type=float, metavar="S",
-                   help="CPU: seconds a rank waits for a peer's words before it fails "
-                        "naming it (default: 60); GPUs bound their polls in rounds")
+                   help="seconds a rank waits for a peer's words before every waiting "
+                        "rank fails naming it (default: 60 on a CPU, where the host "
+                        "waits; 10 on GPUs, where each poll reads the GPU's clock)")
     p.add_argument("--tiny", action="store_true", help="the tiny dims on GPUs too")
+    p.add_argument("--experts", type=int, metavar="N",
+                   help="random weights with N routed experts instead of the dims' own "
+                        "(e.g. Kimi-K3's dims on a GPU too small for 896 experts a rank "
+                        "set); N a multiple of T, at least top-k")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="on a node with fewer GPUs than ranks, put rank r on GPU "
+                        "LOCAL_RANK %% G, joined over gloo (testing: the GPU time-slices "
+                        "the ranks, so only bits mean anything)")
     p.add_argument("--device", choices=("cpu", "cuda"),
                    help="default: cuda where there is a GPU, else cpu")
 
@@ -121,6 +153,7 @@ class Rank:
     local: int
     device: object
     group: object
+    shared: bool = False   # ranks share this rank's GPU (gloo, overlapping devices)
 
 
 def _ranks_from_env() -> tuple[int, int, int]:
@@ -146,6 +179,13 @@ def check_layer_arguments(p: argparse.ArgumentParser, args, world: int) -> None:
         p.error(f"--wide-rows must be positive, got {args.wide_rows}")
     if args.poll_timeout is not None and not 0 < args.poll_timeout < float("inf"):
         p.error(f"--poll-timeout must be a positive number of seconds, got {args.poll_timeout}")
+    if args.experts is not None and args.checkpoint is not None:
+        p.error("--experts draws random weights: it does not go with --checkpoint")
+    if args.experts is not None and args.experts < 1:
+        p.error(f"--experts must be positive, got {args.experts}")
+    if args.share_gpus and args.device == "cpu":
+        p.error("--share-gpus places ranks on GPUs; CPU ranks (--device cpu) share the "
+                "host already")
     if args.tp is not None and args.tp != world:
         raise Failed(EXIT_USAGE, f"--tp {args.tp} does not match the {world} processes torchrun "
                                  f"started (WORLD_SIZE): run torchrun --nproc-per-node "
@@ -189,40 +229,55 @@ def run_as_rank(p: argparse.ArgumentParser, argv, body) -> int:
         return 130
 
 
-def _device(args, local: int):
+def _device(args, local: int) -> tuple:
+    """(this rank's device, whether ranks share its GPU): GPU ``local``, or with
+    ``--share-gpus`` on a node with fewer GPUs than ranks GPU ``local % G``; or the CPU."""
     import torch
 
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cpu":
         # Before triton is first imported: the kernels then run in the interpreter.
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        return torch.device("cpu")
-    if not torch.cuda.is_available() or local >= torch.cuda.device_count():
+        return torch.device("cpu"), False
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    here = int(os.environ.get("LOCAL_WORLD_SIZE", local + 1))
+    shared = bool(args.share_gpus) and 0 < gpus < max(here, local + 1)
+    if not shared and local >= gpus:
         raise Failed(EXIT_USAGE, f"local rank {local} needs GPU {local}, but this node has "
-                                 f"{torch.cuda.device_count()} (start at most that many "
-                                 "processes a node, or --device cpu)")
-    torch.cuda.set_device(local)
-    return torch.device("cuda", local)
+                                 f"{gpus} (start at most that many processes a node, pass "
+                                 "--share-gpus to run several ranks on one GPU for "
+                                 "testing, or --device cpu)")
+    if shared and args.all_reduce == "nccl":
+        raise Failed(EXIT_USAGE, "--all-reduce nccl does not go with --share-gpus: NCCL does "
+                                 "not run two ranks on one GPU, and over gloo the tail "
+                                 "would pass through the host, which a CUDA graph cannot "
+                                 "capture; use --all-reduce mailbox")
+    index = local % gpus if shared else local
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), shared
 
 
 def _join(args, rank: int, world: int, local: int) -> Rank:
-    """This rank's device (GPU ``local``, or the CPU) and the process group it joins:
-    NCCL on GPUs, gloo on the CPU."""
+    """This rank's device (``_device``) and the process group it joins: NCCL on GPUs of
+    their own, gloo on the CPU and where ranks share a GPU."""
     import torch.distributed as dist
 
-    device = _device(args, local)
-    if device.type == "cuda":
+    device, shared = _device(args, local)
+    if shared:
+        # Before symmetric memory is first touched: several ranks' buffers on one device.
+        os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
+    elif device.type == "cuda":
         # NVLink multicast (NVLS) is not assumed anywhere: keep NCCL off it too.
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     try:
-        if device.type == "cuda":
+        if device.type == "cuda" and not shared:
             dist.init_process_group("nccl", timeout=timeout, device_id=device)
         else:
             dist.init_process_group("gloo", timeout=timeout)
     except Exception as e:  # the rendezvous itself failed
         raise Failed(EXIT_PEER, f"could not join the process group: {e}")
-    return Rank(rank, world, local, device, dist.group.WORLD)
+    return Rank(rank, world, local, device, dist.group.WORLD, shared)
 
 
 def _default_batches(cuda: bool, wide_rows: int) -> list[int]:
@@ -230,28 +285,51 @@ def _default_batches(cuda: bool, wide_rows: int) -> list[int]:
     return sorted(set(widths))
 
 
-def build_layer(args, me: Rank):
-    """(the whole stock layer on rank 0, else None; this rank's ``WideMoE``): from
-    ``--checkpoint``'s slices of this rank, or cut from the whole layer every rank draws
-    from ``--seed`` (the tiny dims on a CPU or with ``--tiny``, else Kimi-K3's).
-    Collective."""
-    from . import LatentMoE, WideMoE, WideMoEConfig, checkpoint
+def build_layer(args, me: Rank, stock: bool = True):
+    """(the whole stock layer on the CPU on rank 0 when ``stock``, else None; this rank's
+    ``WideMoE``): from ``--checkpoint``'s slices of this rank, or this rank's shard of
+    the random layer of ``--seed`` (``reference.random_shard``: the tiny dims on a CPU
+    or with ``--tiny``, else Kimi-K3's; ``--experts``). A rank holds only its own shard
+    on its device; the whole layer, drawn on rank 0's device a block at a time, lives
+    on the CPU. Collective."""
+    import torch
+
+    from . import WideMoE, WideMoEConfig, checkpoint, reference
 
     common = dict(all_reduce=args.all_reduce, poll_timeout=args.poll_timeout)
+    whole = stock and me.rank == 0
+    cpu = torch.device("cpu")
     if args.checkpoint is not None:
         wide_rows = args.wide_rows or 1024
         wide = WideMoE.from_checkpoint(args.checkpoint, args.layer, me.group,
                                        device=me.device, wide_rows=wide_rows, **common)
-        stock = (checkpoint.load_layer(args.checkpoint, args.layer, device=me.device,
-                                       wide_rows=wide_rows) if me.rank == 0 else None)
-        return stock, wide
+        return (checkpoint.load_layer(args.checkpoint, args.layer, device=cpu,
+                                      wide_rows=wide_rows) if whole else None), wide
     tiny = args.tiny or me.device.type == "cpu"
     wide_rows = args.wide_rows or (64 if tiny else 1024)
     cfg = (WideMoEConfig.tiny(wide_rows=wide_rows) if tiny
            else WideMoEConfig.kimi_k3(wide_rows=wide_rows))
-    stock = LatentMoE(cfg, seed=args.seed, device=me.device)
-    wide = WideMoE.from_module(stock, me.group, **common)
-    return (stock if me.rank == 0 else None), wide
+    if args.experts is not None:
+        cfg = cfg.replace(num_experts=args.experts)
+    mine = reference.random_shard(cfg, args.seed, me.rank, me.world, device=me.device)
+    wide = WideMoE.from_module(mine, me.group, **common)
+    del mine  # WideMoE holds its own layouts of the weights
+    return (reference.random_shard(cfg, args.seed, device=cpu, draw_device=me.device)
+            if whole else None), wide
+
+
+def peak_memory_line(me: Rank) -> str | None:
+    """Every rank's ``torch.cuda.max_memory_allocated`` on its GPU, gathered (GPUs only;
+    collective): one line for rank 0 to print, None on a CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if me.device.type != "cuda":
+        return None
+    peaks: list = [None] * me.world
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(me.device), group=me.group)
+    return "GPU memory, max allocated a rank (GiB): " + ", ".join(
+        f"r{r} {b / 2 ** 30:.2f}" for r, b in enumerate(peaks))
 
 
 def layer_input(args, hidden: int, b: int, device):
@@ -279,7 +357,11 @@ def describe(me: Rank, cfg, all_reduce: str) -> str:
     """One line: the ranks, their devices, the all-reduce and the layer's dims."""
     import torch
 
-    if me.device.type == "cuda":
+    if me.shared:
+        gpus = torch.cuda.device_count()
+        where = (f"{gpus} x {torch.cuda.get_device_name(me.device)} shared by the ranks "
+                 f"(gloo, symmetric memory on overlapping devices; {SHARED_NOTE})")
+    elif me.device.type == "cuda":
         where = f"{me.world} x {torch.cuda.get_device_name(me.device)} (NCCL)"
     elif me.world == 1:
         where = "1 CPU process (kernels in Triton's interpreter)"
@@ -320,18 +402,19 @@ def _run(args, me: Rank) -> int:
     import torch.distributed as dist
 
     cuda = me.device.type == "cuda"
-    stock, wide = build_layer(args, me)
+    stock, wide = build_layer(args, me, stock=not args.no_stock)
     cfg = wide.cfg
+    batches = args.batches or _default_batches(cuda, cfg.wide_rows)
+    wide.warmup(batches)  # every width's kernels compiled on every rank, then a barrier
     if me.rank == 0:
         print(describe(me, cfg, args.all_reduce), flush=True)
         print(f"{'b':>6} {'stock s':>9} {'wide s':>9} {'max |diff|':>11} {'rel err':>9} "
               f"{'bitwise':>8}  ranks", flush=True)
     ok = True
-    for b in args.batches or _default_batches(cuda, cfg.wide_rows):
+    for b in batches:
         x = layer_input(args, cfg.hidden, b, me.device)
-        if cuda:
-            checked_call(wide, x)  # compiles this width's kernels on every rank
-        ref, t_stock = timed(stock, x, cuda) if me.rank == 0 else (None, 0.0)
+        # The stock layer on the CPU, before the call: no rank waits inside a call.
+        ref, t_stock = timed(stock, x.cpu(), False) if stock is not None else (None, 0.0)
         dist.barrier(group=me.group)  # every rank starts the call together
         out, seconds = checked_call(wide, x)
         gathered: list = [None] * me.world
@@ -342,21 +425,30 @@ def _run(args, me: Rank) -> int:
                              f"{gathered[me.rank][0][:16]}\n")
             sys.stdout.flush()
         if me.rank == 0:
-            diff = out.float() - ref.float()
-            rel = (diff.norm() / ref.float().norm()).item()
-            equal = (out.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
             ranks = "same bits" if same else "DIFFER: " + " ".join(
                 f"r{r}:{h[:8]}" for r, (h, _) in enumerate(gathered))
-            print(f"{b:>6} {t_stock:>9.4f} {max(s for _, s in gathered):>9.4f} "
-                  f"{diff.abs().max().item():>11.3e} {rel:>9.2e} {equal:>7.1%}  {ranks}",
-                  flush=True)
-            ok = ok and rel < TOLERANCE
+            slowest = max(s for _, s in gathered)
+            if ref is None:
+                print(f"{b:>6} {'-':>9} {slowest:>9.4f} {'-':>11} {'-':>9} {'-':>8}  {ranks}",
+                      flush=True)
+            else:
+                out = out.cpu()
+                diff = out.float() - ref.float()
+                rel = (diff.norm() / ref.float().norm()).item()
+                equal = (out.view(torch.int16) == ref.view(torch.int16)).float().mean().item()
+                print(f"{b:>6} {t_stock:>9.4f} {slowest:>9.4f} {diff.abs().max().item():>11.3e} "
+                      f"{rel:>9.2e} {equal:>7.1%}  {ranks}", flush=True)
+                ok = ok and rel < TOLERANCE
         ok = ok and same
+    memory = peak_memory_line(me)
     # Rank 0's verdict on the stock comparison, for every rank's exit code.
     verdict = [ok]
     dist.broadcast_object_list(verdict, src=0, group=me.group)
     ok = ok and verdict[0]
     if me.rank == 0:
-        print(f"OK: the {me.world} ranks hold the same bits and match the stock layer" if ok
+        if memory:
+            print(memory, flush=True)
+        checked = "match the stock layer" if stock is not None else "(stock comparison skipped)"
+        print(f"OK: the {me.world} ranks hold the same bits and {checked}" if ok
               else "MISMATCH: see the rows above", flush=True)
     return EXIT_OK if ok else EXIT_MISMATCH

@@ -36,6 +36,7 @@ there a token's bits may depend on the batch width.
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 
 import torch
@@ -210,6 +211,31 @@ class WideScratch:
         self.lists.generation.zero_()
         self.lists.counts.zero_()
 
+    def stand_in(self) -> "WideScratch":
+        """A copy of this scratch whose exchange buffers are local stand-ins (``WideMoE.
+        warmup``): a mailbox and tail rows of the same shapes, which the tables name for
+        every rank, with a fresh call counter, routing lists and error record; the other
+        buffers, the streams and the events are this scratch's (no call runs meanwhile).
+        ``publish_everything`` fills the stand-ins as if every rank had published."""
+        other = copy.copy(self)
+        other.mailbox = torch.zeros_like(self.mailbox)
+        other.table = mailbox_k.mailbox_table([other.mailbox] * self.cfg.tp)
+        if self.tail is not None:
+            other.tail = torch.zeros_like(self.tail)
+            other.tail_table = mailbox_k.tail_table([other.tail] * self.cfg.tp)
+        other.lists = route_k.RoutingLists.empty(self.cfg.num_experts, self.cfg.wide_rows,
+                                                 self.device)
+        other.error = mailbox_k.new_error_record(self.device)
+        other.segments = None
+        return other
+
+    def publish_everything(self) -> None:
+        """Every word of the mailbox and the tail rows published as +0 (a stand-in's: the
+        polls of a call then find every peer's words at once)."""
+        self.mailbox.zero_()
+        if self.tail is not None:
+            self.tail.zero_()
+
     def gone(self, ranks) -> list[int]:
         """Those of ``ranks`` whose process is known to have exited (shared memory only:
         ranks in processes of this host); [] where that cannot be known."""
@@ -226,14 +252,17 @@ class WideMoE(nn.Module):
     NaN policy: a token whose logits hold NaN routes as if those were -inf (ids always in
     [0, E)); NaN in x makes that token's output NaN and leaves every other token exact.
 
-    Mailbox timeouts: a poll (the front's or the tail's) gives up after ``spin_limit``
-    rounds and records the missing ranks on the device. On CPU every forward raises on
-    it; on a GPU reading the record is a sync, so ``check_mailbox()`` is left to the
-    caller (e.g. once a step). ``poll_timeout`` (seconds; CPU ranks as processes): before
+    Mailbox timeouts: a poll (the front's or the tail's) gives up after ``poll_timeout``
+    seconds on the GPU's clock (None: ``mailbox.DEFAULT_POLL_TIMEOUT_S``, 10 s) or
+    ``spin_limit`` rounds, and records the missing ranks on the device; once one has
+    timed out, the call's later polls do not wait. On CPU every forward raises on it; on
+    a GPU reading the record is a sync, so ``check_mailbox()`` is left to the caller
+    (e.g. once a step). CPU ranks as processes (``poll_timeout`` set on a CPU): before
     each polling launch the host waits for the peers' words at most that long, or until a
     missing peer's process is found gone, and raises naming the missing ranks
-    (``mailbox.await_published``): in Triton's interpreter a poll round takes
-    milliseconds, so the bound is in time there.
+    (``mailbox.await_published``): Triton's interpreter cannot read a clock in a kernel,
+    and a poll round there takes milliseconds. Compile every width before the first call
+    over a group with ``warmup``: a rank compiling inside a call keeps its peers waiting.
 
     ``all_reduce``: "mailbox" (the tail's all-reduces over the scratch's tail rows, fixed
     rank order: every rank holds the same bits at every batch width) or "nccl"
@@ -246,14 +275,7 @@ class WideMoE(nn.Module):
         super().__init__()
         if all_reduce not in ALL_REDUCES:
             raise ValueError(f"all_reduce must be one of {ALL_REDUCES}, got {all_reduce!r}")
-        if poll_timeout is not None and not (
-                isinstance(poll_timeout, (int, float)) and not isinstance(poll_timeout, bool)
-                and 0 < poll_timeout < float("inf")):
-            raise ValueError(f"poll_timeout must be a positive number of seconds or None, "
-                             f"got {poll_timeout!r}")
-        if poll_timeout is not None and scratch.device.type != "cpu":
-            raise ValueError("poll_timeout bounds the waits of CPU ranks; on a GPU the "
-                             "polls are bounded in rounds (spin_limit)")
+        timeout_ns = mailbox_k.poll_timeout_ns(poll_timeout)  # refuses a bad one by name
         if all_reduce == "mailbox" and weights.world > 1 and scratch.tail is None:
             raise ValueError("all_reduce='mailbox' needs a scratch with tail rows (made by "
                              "WideScratch.for_group or .simulated); this one has none")
@@ -261,6 +283,10 @@ class WideMoE(nn.Module):
         self.cfg, self.rank, self.world = cfg, weights.rank, weights.world
         self.group, self.scratch, self.spin_limit = group, scratch, spin_limit
         self.all_reduce, self.poll_timeout = all_reduce, poll_timeout
+        # CPU ranks wait on the host (the interpreter's polls cannot read a clock); a
+        # GPU's polls wait in the kernels, ``timeout_ns`` each at most.
+        self.host_waits = poll_timeout is not None and scratch.device.type == "cpu"
+        self.timeout_ns = timeout_ns
         # The exchange over the tail rows: only across ranks (at T = 1 the sums are the
         # partials themselves, and the tail is the plain RMSNorm).
         self.mailbox_tail = all_reduce == "mailbox" and self.world > 1
@@ -295,8 +321,9 @@ class WideMoE(nn.Module):
         None: ``WideScratch.for_group``, symmetric memory on a GPU, shared memory on the
         CPU). ``all_reduce``: "mailbox" or "nccl" (see the class); None: "mailbox" unless
         ``scratch`` was made without tail rows (then "nccl", with a warning).
-        ``poll_timeout``: seconds (see the class); None: ``DEFAULT_POLL_TIMEOUT`` for CPU
-        ranks of a group, none elsewhere (a GPU's polls are bounded in rounds).
+        ``poll_timeout``: seconds (see the class); None: ``DEFAULT_POLL_TIMEOUT`` (60 s of
+        host waits) for CPU ranks of a group, else the kernels' own bound
+        (``mailbox.DEFAULT_POLL_TIMEOUT_S``, 10 s on a GPU's clock).
 
         Over a group this is collective: every rank checks that its peers build the same
         layer (``processes.agree``: the config, the all-reduce, the weights every rank
@@ -401,7 +428,7 @@ class WideMoE(nn.Module):
 
     def _routed(self, plan: "LaunchPlan") -> torch.Tensor:
         s = self.scratch
-        if self.poll_timeout is not None:
+        if self.host_waits:
             parity = int(s.lists.generation[0]) & 1
             self._await(lambda: mailbox_k.missing_in_mailbox(
                 s.mailbox, parity, plan.b, self.cfg.latent, self.world), parity)
@@ -460,7 +487,8 @@ class WideMoE(nn.Module):
             self._await_tail(latent.shape[0], "latent")
             normed = tail_k.all_reduce_rms_norm(
                 s.tail, s.tail_dims, latent.shape[0], self.norm_weight, cfg.rms_eps,
-                out=latent, error=s.error, spin_limit=self.spin_limit)
+                out=latent, error=s.error, spin_limit=self.spin_limit,
+                poll_timeout=self.timeout_ns / 1e9)
         else:
             normed = tail_k.rms_norm(latent, self.norm_weight, cfg.rms_eps)
         tail_k.add_up_projection(normed, self.latent_up, shared[:, self.columns],
@@ -479,11 +507,12 @@ class WideMoE(nn.Module):
             s = self.scratch
             self._await_tail(shared.shape[0], "hidden")
             return tail_k.all_reduce(s.tail, s.tail_dims, shared.shape[0], out=shared,
-                                     error=s.error, spin_limit=self.spin_limit)
+                                     error=s.error, spin_limit=self.spin_limit,
+                                     poll_timeout=self.timeout_ns / 1e9)
         return self._nccl(shared)
 
     def _await_tail(self, b: int, which: str) -> None:
-        if self.poll_timeout is not None:
+        if self.host_waits:
             s = self.scratch
             self._await(lambda: mailbox_k.missing_in_tail(s.tail, s.tail_dims, b, which),
                         mailbox_k.tail_region(s.tail_dims, which).place)
@@ -511,6 +540,52 @@ class WideMoE(nn.Module):
         """Raise if a poll of the mailbox timed out (a device sync); see ``rearm``."""
         mailbox_k.check_mailbox_error(self.scratch.error,
                                       f"rank {self.rank} of {self.world}")
+
+    def warmup(self, widths) -> None:
+        """Compile every launch of a call of each batch width in ``widths`` on this rank,
+        then, over a group, a barrier (collective: every rank calls it, before its first
+        call). A width wider than ``wide_rows`` warms its chunks' widths.
+
+        Each width's launches run once over a stand-in of this rank's exchange buffers: a
+        local mailbox and local tail rows whose every word is already published (+0),
+        named for every rank by the tables, with their own call counter, routing lists
+        and error record. So no launch reads or writes a peer's memory, no poll waits,
+        and the real buffers are left as they were; the kernels see the same argument
+        types, sizes and alignments as in the real call, so that call finds them
+        compiled. In Triton's interpreter nothing compiles: only the launch plans are
+        built."""
+        b_list = self._call_widths(widths)
+        for b in b_list:
+            self.plan(b)
+        if self.device.type == "cuda":
+            stand_in = self._stand_in()
+            for b in b_list:
+                stand_in.scratch.publish_everything()
+                stand_in._forward(torch.zeros(b, self.cfg.hidden, dtype=torch.bfloat16,
+                                              device=self.device))
+            torch.cuda.synchronize(self.device)
+        if self.group is not None and self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def _call_widths(self, widths) -> list[int]:
+        """The widths of the calls ``forward`` makes for batches of ``widths`` rows."""
+        rows, out = self.cfg.wide_rows, set()
+        for b in widths:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                raise ValueError(f"widths must be batch widths (ints >= 0), got {b!r}")
+            out.update(w for w in (min(b, rows), b % rows if b > rows else 0) if w)
+        return sorted(out)
+
+    def _stand_in(self) -> "WideMoE":
+        """This layer over ``WideScratch.stand_in`` buffers, outside any group: its calls
+        exchange nothing (``warmup``)."""
+        stand_in = copy.copy(self)
+        stand_in.scratch = self.scratch.stand_in()
+        stand_in.group, stand_in.host_waits = None, False
+        stand_in._plans = {}
+        return stand_in
 
     # -- forward ----------------------------------------------------------------------
 
@@ -579,7 +654,8 @@ class LaunchPlan:
         self.route, self.routed = route_k.resolve_route_and_plan_mailbox(
             s.mailbox, s.lists.generation, b, layer.bias, K, cfg.renormalize,
             cfg.routed_scaling_factor, latent=L, world=layer.world, error=s.error,
-            spin_limit=layer.spin_limit, lists=s.lists, ids=s.ids[:b],
+            spin_limit=layer.spin_limit, poll_timeout=layer.timeout_ns / 1e9,
+            lists=s.lists, ids=s.ids[:b],
             weights=s.weights[:b], out=(s.plan[0][:b], s.plan[1][:b]))
         self.rows = s.rows[:b * K]
         self.experts = experts_k.resolve(layer.experts, b, K, s.lists.wide_rows, cfg.beta,

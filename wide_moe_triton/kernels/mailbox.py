@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..tuning import config_for
-from . import quiet
+from . import _INTERPRETED, quiet
 from .bits import f32_to_bf16_bits
 
 KERNEL = "publish"
@@ -50,9 +50,17 @@ BF16_NAN = 0x7FC0              # the quiet NaN every kernel writes for a NaN
 # The same, for the kernels.
 EMPTY_HALF: tl.constexpr = tl.constexpr(SENTINEL_BF16)
 EMPTY_WORD: tl.constexpr = tl.constexpr(SENTINEL_WORD)
-# A poll round is one volatile read of the block (~1 µs from L2 on a busy GPU), so this
-# gives up after seconds, long past any healthy peer, never hanging the GPU for good.
-DEFAULT_SPIN_LIMIT = 1 << 22
+# A compiled poll is bounded in time, by the GPU's clock (%globaltimer): a round's length
+# varies (a time-sliced GPU runs a process's polls only in its slices), a wait's does
+# not. Ten seconds: past any healthy peer's lag between two calls (no compile happens
+# inside a call once ``WideMoE.warmup`` ran), short enough that a dead peer is reported
+# while its job can still be restarted. Triton's interpreter cannot read the clock: its
+# polls are bounded in rounds, and CPU ranks wait on the host in seconds
+# (``await_published``) before a polling launch.
+DEFAULT_POLL_TIMEOUT_S = 10.0
+# Rounds: the bound of an interpreted poll; compiled, the clock ends the wait first.
+DEFAULT_SPIN_LIMIT = (1 << 31) - 1
+TIMED: tl.constexpr = tl.constexpr(not _INTERPRETED)
 MAX_WORLD = 32                 # ranks are bits of the int32 error record
 # The places a poll can time out in, bits of the error record's second word beside the
 # mailbox's parities 0 and 1.
@@ -259,20 +267,37 @@ def publishable_word(bits):
 
 
 @triton.jit
-def poll(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity,
+def clock_ns():
+    """The GPU's global clock in nanoseconds (``%globaltimer``); 0 in Triton's
+    interpreter, which has no inline assembly (its polls are bounded in rounds)."""
+    if TIMED:
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [],
+                                         dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        return 0
+
+
+@triton.jit
+def poll(ptrs, mask, column, per_rank, spin_limit, timeout_ns, error_ptr, parity,
          SENTINEL: tl.constexpr):
     """The words at ``ptrs`` (where ``mask``; masked-off lanes read 0) once published:
-    volatile reads, repeated for the words still equal to ``SENTINEL`` until none is or
-    ``spin_limit`` rounds (at least one) are done. On a timeout the still-empty words are
-    returned as read (the sentinel) and their owners recorded (``record_missing``:
-    ``column``, same shape, each word's column, ``per_rank`` columns a rank)."""
+    volatile reads, repeated for the words still equal to ``SENTINEL`` until none is, or
+    ``timeout_ns`` nanoseconds have passed on the GPU's clock, or ``spin_limit`` rounds
+    (at least one) are done. Once a poll has timed out (the error record names a place)
+    a poll reads once and does not wait: a silent peer costs one bound a call, not one
+    a poll. On a timeout the still-empty words are returned as read (the sentinel) and
+    their owners recorded (``record_missing``: ``column``, same shape, each word's
+    column, ``per_rank`` columns a rank)."""
     values = tl.load(ptrs, mask=mask, other=0, volatile=True)
     # Both sentinels (-0 as BF16 or FP32 bits) are the least value of their integer type:
     # one min finds any empty word, and the per-word bookkeeping runs only then.
     if tl.min(values) == SENTINEL:
         empty = mask & (values == SENTINEL)
+        limit = tl.where(tl.load(error_ptr + 1, volatile=True) != 0, 1, spin_limit)
         rounds = 1
-        while (tl.max(empty.to(tl.int32)) != 0) & (rounds < spin_limit):
+        start = clock_ns()
+        while (tl.max(empty.to(tl.int32)) != 0) & (rounds < limit) & (
+                clock_ns() - start < timeout_ns):
             again = tl.load(ptrs, mask=empty, other=SENTINEL, volatile=True)
             values = tl.where(empty, again, values)
             empty = empty & (values == SENTINEL)
@@ -304,11 +329,12 @@ def rearm(ptrs, mask, SENTINEL: tl.constexpr):
 
 
 @triton.jit
-def take(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity,
+def take(ptrs, mask, column, per_rank, spin_limit, timeout_ns, error_ptr, parity,
          SENTINEL: tl.constexpr):
     """The words at ``ptrs`` (where ``mask``) once published (``poll``), the mailbox
     re-armed behind them."""
-    values = poll(ptrs, mask, column, per_rank, spin_limit, error_ptr, parity, SENTINEL)
+    values = poll(ptrs, mask, column, per_rank, spin_limit, timeout_ns, error_ptr, parity,
+                  SENTINEL)
     rearm(ptrs, mask, SENTINEL)
     return values
 
@@ -344,6 +370,18 @@ def _check_rank(rank, world) -> None:
         raise ValueError(f"world must be an int in [1, {MAX_WORLD}], got {world!r}")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < world:
         raise ValueError(f"rank must be an int in [0, world={world}), got {rank!r}")
+
+
+def poll_timeout_ns(seconds: float | None) -> int:
+    """A poll's time bound in nanoseconds, of ``seconds`` (None: ``DEFAULT_POLL_TIMEOUT_S``);
+    refused unless a positive finite number."""
+    if seconds is None:
+        seconds = DEFAULT_POLL_TIMEOUT_S
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not (
+            0 < seconds < float("inf")):
+        raise ValueError(f"poll_timeout must be a positive number of seconds or None, "
+                         f"got {seconds!r}")
+    return max(1, int(seconds * 1e9))
 
 
 def check_generation(generation, device) -> None:

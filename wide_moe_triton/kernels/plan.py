@@ -96,7 +96,7 @@ def tensor_tile(x_ptr, x_stride, q_ptr, s_ptr, rows, cols, tile_r, tile_c,
 
 @triton.jit
 def mailbox_tile(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows, cols,
-                 latent_per_rank, error_ptr, spin_limit, tile_r, tile_c,
+                 latent_per_rank, error_ptr, spin_limit, timeout_ns, tile_r, tile_c,
                  BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     """One tile of ``quantize_mxfp8_mailbox``: the tile's BF16 latent polled out of the
     mailbox (``mb_ptr`` int16), quantized, and re-armed behind the read."""
@@ -107,8 +107,8 @@ def mailbox_tile(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows,
     ptrs = (mb_ptr + parity.to(tl.int64) * parity_stride
             + r[:, None].to(tl.int64) * row_stride + c[None, :])
     column = tl.zeros_like(r)[:, None] + c[None, :]
-    bits = mb.take(ptrs, mask, column, latent_per_rank, spin_limit, error_ptr, parity,
-                   mb.EMPTY_HALF)
+    bits = mb.take(ptrs, mask, column, latent_per_rank, spin_limit, timeout_ns, error_ptr,
+                   parity, mb.EMPTY_HALF)
     store_tile(q_ptr, s_ptr, r, c, tile_c, rows, cols, bf16_bits_to_f32(bits), BLOCK_ROWS,
                BLOCK_COLS)
 
@@ -174,27 +174,29 @@ def quantize_mxfp8(x: torch.Tensor, *, out: tuple | None = None, config: dict | 
 
 @triton.jit
 def _plan_mailbox_kernel(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows,
-                         cols, latent_per_rank, error_ptr, spin_limit,
+                         cols, latent_per_rank, error_ptr, spin_limit, timeout_ns,
                          BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
     mailbox_tile(mb_ptr, gen_ptr, row_stride, parity_stride, q_ptr, s_ptr, rows, cols,
-                 latent_per_rank, error_ptr, spin_limit, tl.program_id(0), tl.program_id(1),
-                 BLOCK_ROWS, BLOCK_COLS)
+                 latent_per_rank, error_ptr, spin_limit, timeout_ns, tl.program_id(0),
+                 tl.program_id(1), BLOCK_ROWS, BLOCK_COLS)
 
 
 def quantize_mxfp8_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int, *,
                            latent: int, world: int, error: torch.Tensor,
                            spin_limit: int = mb.DEFAULT_SPIN_LIMIT, out: tuple | None = None,
-                           config: dict | None = None):
+                           poll_timeout: float | None = None, config: dict | None = None):
     """MXFP8 (codes uint8 [rows, latent], scales uint8 [rows, latent/32]) of the BF16
     latent in this rank's ``mailbox`` (int16/BF16 [2, wide_rows, latent + 2E]), rows
     0..rows-1 of parity ``generation[0] & 1`` (read on the device): bit-identical to
     ``mx.quantize_mxfp8`` of that BF16 latent.
 
-    Each tile is polled until published (at most ``spin_limit`` rounds; on a timeout the
+    Each tile is polled until published (at most ``spin_limit`` rounds or ``poll_timeout``
+    seconds, ``mailbox.poll``; on a timeout the
     ranks of the still-empty columns, ``world`` ranks of latent/world columns each, and
     the parity go to ``error``, int32 [2], and the empty columns quantize as -0), then
     re-armed."""
     device = mb.check_poll_args(mailbox, generation, rows, world, error, spin_limit)
+    timeout_ns = mb.poll_timeout_ns(poll_timeout)
     check_mailbox_latent(latent, world, mailbox.shape[2])
     out = outputs(out, rows, latent, device)
     if rows == 0:
@@ -205,7 +207,7 @@ def quantize_mxfp8_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
     with quiet():
         _plan_mailbox_kernel[grid](mailbox.view(torch.int16), generation, columns,
                                    mailbox.shape[1] * columns, out[0], out[1], rows, latent,
-                                   latent // world, error, spin_limit,
+                                   latent // world, error, spin_limit, timeout_ns,
                                    BLOCK_ROWS=cfg["BLOCK_ROWS"], BLOCK_COLS=cfg["BLOCK_COLS"],
                                    num_warps=cfg["num_warps"])
     return out

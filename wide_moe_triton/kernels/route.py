@@ -364,8 +364,8 @@ def zero_other_parity(counts_ptr, gen_ptr, E, program, programs, ZERO: tl.conste
 
 @triton.jit
 def route_rows(program, programs, src_ptr, src_row_stride, src_offset, src_parity_stride,
-               mb_gen_ptr, error_ptr, spin_limit, experts_per_rank, bias_ptr, ids_ptr, w_ptr,
-               counts_ptr, pairs_ptr, list_gen_ptr, wide_rows, rows, E, scale,
+               mb_gen_ptr, error_ptr, spin_limit, timeout_ns, experts_per_rank, bias_ptr,
+               ids_ptr, w_ptr, counts_ptr, pairs_ptr, list_gen_ptr, wide_rows, rows, E, scale,
                TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, CLAIM: tl.constexpr,
                POLLED: tl.constexpr, CANDIDATES: tl.constexpr, KEPT: tl.constexpr,
                BLOCK_T: tl.constexpr, S: tl.constexpr, G: tl.constexpr, V: tl.constexpr,
@@ -382,7 +382,7 @@ def route_rows(program, programs, src_ptr, src_row_stride, src_offset, src_parit
         row += parity.to(tl.int64) * src_parity_stride
         words = src_ptr + row[:, :, None] + e
         bits = mb.poll(words, in_row, e + t[:, :, None] * 0, experts_per_rank, spin_limit,
-                       error_ptr, parity, mb.EMPTY_WORD)
+                       timeout_ns, error_ptr, parity, mb.EMPTY_WORD)
     else:
         bits = tl.load(src_ptr + row[:, :, None] + e, mask=in_row, other=0)
     # A full-shape bias load: the logits' layout, one row a warp, holds for both. -inf
@@ -402,7 +402,7 @@ def route_rows(program, programs, src_ptr, src_row_stride, src_offset, src_parit
 
 @triton.jit
 def _route_kernel(src_ptr, src_row_stride, src_offset, src_parity_stride, mb_gen_ptr,
-                  error_ptr, spin_limit, experts_per_rank,
+                  error_ptr, spin_limit, timeout_ns, experts_per_rank,
                   bias_ptr, ids_ptr, w_ptr, counts_ptr, pairs_ptr, list_gen_ptr, wide_rows,
                   rows, E, scale, route_programs,
                   lat_ptr, lat_row_stride, lat_parity_stride, q_ptr, qs_ptr, latent,
@@ -416,16 +416,17 @@ def _route_kernel(src_ptr, src_row_stride, src_offset, src_parity_stride, mb_gen
     program = tl.program_id(0)
     if program < route_programs:
         route_rows(program, route_programs, src_ptr, src_row_stride, src_offset,
-                   src_parity_stride, mb_gen_ptr, error_ptr, spin_limit, experts_per_rank,
-                   bias_ptr, ids_ptr, w_ptr, counts_ptr, pairs_ptr, list_gen_ptr, wide_rows,
-                   rows, E, scale, TOP_K, RENORMALIZE, CLAIM, POLLED, CANDIDATES, KEPT,
+                   src_parity_stride, mb_gen_ptr, error_ptr, spin_limit, timeout_ns,
+                   experts_per_rank, bias_ptr, ids_ptr, w_ptr, counts_ptr, pairs_ptr,
+                   list_gen_ptr, wide_rows, rows, E, scale, TOP_K, RENORMALIZE, CLAIM, POLLED, CANDIDATES, KEPT,
                    BLOCK_T, S, G, V, ZERO)
     elif PLAN:
         tile = program - route_programs
         if POLLED:
             plan_k.mailbox_tile(lat_ptr, mb_gen_ptr, lat_row_stride, lat_parity_stride, q_ptr,
                                 qs_ptr, rows, latent, latent_per_rank, error_ptr, spin_limit,
-                                tile // col_tiles, tile % col_tiles, BLOCK_ROWS, BLOCK_COLS)
+                                timeout_ns, tile // col_tiles, tile % col_tiles, BLOCK_ROWS,
+                                BLOCK_COLS)
         else:
             plan_k.tensor_tile(lat_ptr, lat_row_stride, q_ptr, qs_ptr, rows, latent,
                                tile // col_tiles, tile % col_tiles, LAT_BF16, BLOCK_ROWS,
@@ -487,6 +488,7 @@ class _Logits:
     error: torch.Tensor | None = None
     spin_limit: int = 1
     experts_per_rank: int = 1
+    timeout_ns: int = 1
 
 
 @dataclasses.dataclass
@@ -545,6 +547,7 @@ def resolve(logits: _Logits, bias, top_k, renormalize, scale, lists, ids, weight
         src_parity_stride=logits.parity_stride,
         mb_gen_ptr=logits.generation if polled else ids,
         error_ptr=logits.error if polled else ids, spin_limit=logits.spin_limit,
+        timeout_ns=logits.timeout_ns,
         experts_per_rank=logits.experts_per_rank, bias_ptr=bias, ids_ptr=ids,
         w_ptr=weights.view(torch.int16), counts_ptr=counts, pairs_ptr=pairs,
         list_gen_ptr=list_gen, wide_rows=wide_rows, rows=rows, E=num_experts,
@@ -614,9 +617,10 @@ def route_and_plan(logits: torch.Tensor, latent: torch.Tensor, bias: torch.Tenso
 
 
 def _mailbox_logits(mailbox, generation, rows, bias, top_k, renormalize, scale, latent,
-                    world, error, spin_limit) -> tuple[_Logits, int]:
+                    world, error, spin_limit, poll_timeout) -> tuple[_Logits, int]:
     """The polled logits of a mailbox launch and E, all arguments checked."""
     device = mb.check_poll_args(mailbox, generation, rows, world, error, spin_limit)
+    timeout_ns = mb.poll_timeout_ns(poll_timeout)
     if not isinstance(latent, int) or isinstance(latent, bool) or latent < 2 or latent % 2:
         raise ValueError(f"latent must be a positive even int, got {latent!r}")
     columns = mailbox.shape[2]
@@ -631,7 +635,7 @@ def _mailbox_logits(mailbox, generation, rows, bias, top_k, renormalize, scale, 
     row_words = columns // 2
     words = mailbox.view(torch.int16).view(torch.int32)
     return _Logits(words, row_words, latent // 2, mailbox.shape[1] * row_words, generation,
-                   error, spin_limit, num_experts // world), num_experts
+                   error, spin_limit, num_experts // world, timeout_ns), num_experts
 
 
 def route_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int,
@@ -639,16 +643,18 @@ def route_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int,
                   latent: int, world: int, error: torch.Tensor,
                   spin_limit: int = mb.DEFAULT_SPIN_LIMIT, lists: RoutingLists | None = None,
                   ids: torch.Tensor | None = None, weights: torch.Tensor | None = None,
-                  config: dict | None = None):
+                  poll_timeout: float | None = None, config: dict | None = None):
     """``route`` of the logits in this rank's ``mailbox`` (int16/BF16 [2, wide_rows,
     latent + 2E]), rows 0..rows-1 of parity ``generation[0] & 1`` (read on the device).
 
-    Each row's E logits words are polled until published (at most ``spin_limit`` rounds;
+    Each row's E logits words are polled until published (at most ``spin_limit`` rounds
+    or ``poll_timeout`` seconds, ``mailbox.poll``;
     on a timeout the ranks of the still-empty words and the parity go to ``error``, int32
     [2], and routing proceeds on what was read: ids stay in [0, E)), then re-armed.
     ``world`` ranks own E/world words each. Everything else as ``route``."""
     logits, num_experts = _mailbox_logits(mailbox, generation, rows, bias, top_k, renormalize,
-                                          scale, latent, world, error, spin_limit)
+                                          scale, latent, world, error, spin_limit,
+                                          poll_timeout)
     return _launch(logits, bias, top_k, renormalize, scale, lists, ids, weights, rows,
                    num_experts, config)
 
@@ -659,7 +665,7 @@ def route_and_plan_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
                            spin_limit: int = mb.DEFAULT_SPIN_LIMIT,
                            lists: RoutingLists | None = None, ids: torch.Tensor | None = None,
                            weights: torch.Tensor | None = None, out: tuple | None = None,
-                           config: dict | None = None):
+                           poll_timeout: float | None = None, config: dict | None = None):
     """``route_mailbox`` and ``plan.quantize_mxfp8_mailbox`` of the same mailbox rows in
     one launch: (ids, weights, codes, scales), each bit-identical to its stage's own
     function. Every program polls the words it reads (the route a row's logits, the plan
@@ -667,7 +673,7 @@ def route_and_plan_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
     run, outputs = resolve_route_and_plan_mailbox(
         mailbox, generation, rows, bias, top_k, renormalize, scale, latent=latent,
         world=world, error=error, spin_limit=spin_limit, lists=lists, ids=ids,
-        weights=weights, out=out, config=config)
+        weights=weights, out=out, poll_timeout=poll_timeout, config=config)
     if run is not None:
         launch(run)
     return outputs
@@ -676,12 +682,13 @@ def route_and_plan_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows
 def resolve_route_and_plan_mailbox(mailbox, generation, rows, bias, top_k, renormalize,
                                    scale, *, latent, world, error,
                                    spin_limit=mb.DEFAULT_SPIN_LIMIT, lists=None, ids=None,
-                                   weights=None, out=None, config=None):
+                                   weights=None, out=None, poll_timeout=None, config=None):
     """``route_and_plan_mailbox``'s arguments checked and its launch resolved, launching
     nothing: (the launch for ``launch``, or None when there is nothing to do; (ids,
     weights, codes, scales), the buffers it writes)."""
     logits, num_experts = _mailbox_logits(mailbox, generation, rows, bias, top_k, renormalize,
-                                          scale, latent, world, error, spin_limit)
+                                          scale, latent, world, error, spin_limit,
+                                          poll_timeout)
     plan_k.check_mailbox_latent(latent, world, mailbox.shape[2])
     out = plan_k.outputs(out, rows, latent, mailbox.device)
     ids, weights = _outputs(rows, top_k, mailbox.device, ids, weights)

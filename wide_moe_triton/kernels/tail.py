@@ -79,7 +79,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, b, L, eps, BLOCK_T: tl.constexpr,
 
 @triton.jit
 def _sum_slots(tail_ptr, t, c, mask, row_stride, slot_stride, column, world, spin_limit,
-               error_ptr, PLACE: tl.constexpr):
+               timeout_ns, error_ptr, PLACE: tl.constexpr):
     """FP32 sum, in rank order, of the T slots' BF16 values at rows ``t`` [BLOCK_T, 1] and
     columns ``column + c`` [1, BLOCK_C] of a tail buffer (where ``mask``), each slot
     polled until published and re-armed behind it (``mailbox.take``; a timeout records
@@ -88,8 +88,8 @@ def _sum_slots(tail_ptr, t, c, mask, row_stride, slot_stride, column, world, spi
     owner = tl.zeros_like(mask.to(tl.int32))
     total = tl.zeros(mask.shape, tl.float32)
     for s in range(world):
-        bits = mb.take(at + s * slot_stride, mask, owner + s, 1, spin_limit, error_ptr, PLACE,
-                       mb.EMPTY_HALF)
+        bits = mb.take(at + s * slot_stride, mask, owner + s, 1, spin_limit, timeout_ns,
+                       error_ptr, PLACE, mb.EMPTY_HALF)
         # +0 + v == v for every published v (never -0): the one rounding is the output's.
         total += bf16_bits_to_f32(bits)
     return total
@@ -97,7 +97,7 @@ def _sum_slots(tail_ptr, t, c, mask, row_stride, slot_stride, column, world, spi
 
 @triton.jit
 def _all_reduce_rms_norm_kernel(tail_ptr, row_stride, slot_stride, world, spin_limit,
-                                error_ptr, w_ptr, out_ptr, b, L, eps, PLACE: tl.constexpr,
+                                timeout_ns, error_ptr, w_ptr, out_ptr, b, L, eps, PLACE: tl.constexpr,
                                 BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
     """Rows [pid*BLOCK_T, (pid+1)*BLOCK_T): the latent slots summed, rounded once to BF16,
     then normalized as ``_rms_norm_kernel`` does, as BF16 bits."""
@@ -106,21 +106,22 @@ def _all_reduce_rms_norm_kernel(tail_ptr, row_stride, slot_stride, world, spin_l
     c_ok = c < L
     mask = (t < b)[:, None] & c_ok[None, :]
     latent = round_to_bf16(_sum_slots(tail_ptr, t[:, None], c[None, :], mask, row_stride,
-                                      slot_stride, 0, world, spin_limit, error_ptr, PLACE))
+                                      slot_stride, 0, world, spin_limit, timeout_ns,
+                                      error_ptr, PLACE))
     y = _normalized(latent, w_ptr, c, c_ok, L, eps)
     tl.store(out_ptr + t[:, None].to(tl.int64) * L + c[None, :], f32_to_bf16_bits(y), mask=mask)
 
 
 @triton.jit
 def _all_reduce_kernel(tail_ptr, row_stride, slot_stride, column, world, spin_limit,
-                       error_ptr, out_ptr, out_stride, b, N, PLACE: tl.constexpr,
+                       timeout_ns, error_ptr, out_ptr, out_stride, b, N, PLACE: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """A [BLOCK_T, BLOCK_C] tile of the hidden slots summed and rounded once, BF16 bits."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (t < b)[:, None] & (c < N)[None, :]
     total = _sum_slots(tail_ptr, t[:, None], c[None, :], mask, row_stride, slot_stride, column,
-                       world, spin_limit, error_ptr, PLACE)
+                       world, spin_limit, timeout_ns, error_ptr, PLACE)
     tl.store(out_ptr + t[:, None].to(tl.int64) * out_stride + c[None, :],
              f32_to_bf16_bits(total), mask=mask)
 
@@ -209,15 +210,18 @@ def _check_tail_poll(tail, dims: mb.TailDims, rows, error, spin_limit) -> None:
 def all_reduce_rms_norm(tail: torch.Tensor, dims: mb.TailDims, rows: int,
                         weight: torch.Tensor, eps: float, *, out: torch.Tensor,
                         error: torch.Tensor, spin_limit: int = mb.DEFAULT_SPIN_LIMIT,
+                        poll_timeout: float | None = None,
                         config: dict | None = None) -> torch.Tensor:
     """``rms_norm(bf16(Σ_s fp32(latent_s)), weight, eps)`` for rows 0..rows-1 of this
     rank's ``tail`` buffer (int16 [wide_rows, T, L + H] of ``dims``): the T published
     latent partials summed in FP32 in rank order, rounded once, normalized with the bits
     of ``rms_norm``; one launch. Each slot is polled until published (at most
-    ``spin_limit`` rounds a slot; on a timeout the missing ranks go to ``error``, int32
-    [2], and the sum proceeds on what was read) and re-armed. ``out``: BF16 [rows, L]
+    ``spin_limit`` rounds or ``poll_timeout`` seconds a slot, ``mailbox.poll``; on a
+    timeout the missing ranks go to ``error``, int32 [2], and the sum proceeds on what
+    was read) and re-armed. ``out``: BF16 [rows, L]
     (may be the latent partial that was published). ``config``: as ``rms_norm``'s."""
     _check_tail_poll(tail, dims, rows, error, spin_limit)
+    timeout_ns = mb.poll_timeout_ns(poll_timeout)
     L = dims.latent
     _check_norm_args(L, weight, eps, tail.device)
     check_tensor("out", out, torch.bfloat16, (rows, L), tail.device)
@@ -226,8 +230,8 @@ def all_reduce_rms_norm(tail: torch.Tensor, dims: mb.TailDims, rows: int,
     cfg = norm_config(L, tail.device, config)
     with quiet():
         _all_reduce_rms_norm_kernel[(triton.cdiv(rows, cfg["BLOCK_T"]),)](
-            tail, dims.world * dims.columns, dims.columns, dims.world, spin_limit, error,
-            weight.view(torch.int16), out.view(torch.int16), rows, L, float(eps),
+            tail, dims.world * dims.columns, dims.columns, dims.world, spin_limit, timeout_ns,
+            error, weight.view(torch.int16), out.view(torch.int16), rows, L, float(eps),
             PLACE=mb.TAIL_LATENT, BLOCK_T=cfg["BLOCK_T"], BLOCK_L=triton.next_power_of_2(L),
             num_warps=cfg["num_warps"])
     return out
@@ -235,6 +239,7 @@ def all_reduce_rms_norm(tail: torch.Tensor, dims: mb.TailDims, rows: int,
 
 def all_reduce(tail: torch.Tensor, dims: mb.TailDims, rows: int, *, out: torch.Tensor,
                error: torch.Tensor, spin_limit: int = mb.DEFAULT_SPIN_LIMIT,
+               poll_timeout: float | None = None,
                config: dict | None = None) -> torch.Tensor:
     """``bf16(Σ_s fp32(hidden_s))`` for rows 0..rows-1 of this rank's ``tail`` buffer: the
     T published hidden partials summed in FP32 in rank order and rounded once, into
@@ -243,6 +248,7 @@ def all_reduce(tail: torch.Tensor, dims: mb.TailDims, rows: int, *, out: torch.T
     BLOCK_C, num_warps (default: the tuned table, kernel ``tail_all_reduce``; any config
     gives the same bits)."""
     _check_tail_poll(tail, dims, rows, error, spin_limit)
+    timeout_ns = mb.poll_timeout_ns(poll_timeout)
     H = dims.hidden
     check_tensor("out", out, torch.bfloat16, (rows, H), tail.device, contiguous=False)
     if out.stride(1) != 1:
@@ -255,7 +261,7 @@ def all_reduce(tail: torch.Tensor, dims: mb.TailDims, rows: int, *, out: torch.T
     with quiet():
         _all_reduce_kernel[grid](
             tail, dims.world * dims.columns, dims.columns, dims.latent, dims.world, spin_limit,
-            error, out.view(torch.int16), out.stride(0), rows, H, PLACE=mb.TAIL_HIDDEN,
+            timeout_ns, error, out.view(torch.int16), out.stride(0), rows, H, PLACE=mb.TAIL_HIDDEN,
             BLOCK_T=cfg["BLOCK_T"], BLOCK_C=cfg["BLOCK_C"], num_warps=cfg["num_warps"])
     return out
 
