@@ -47,14 +47,18 @@ class Ranks:
     the exception it raised (an ``Exception`` whose message is the rank's, type name
     kept as ``.kind``), or ``Died`` for a rank whose process is gone."""
 
-    def __init__(self, world: int, directory, timeout: float = JOB_TIMEOUT):
+    def __init__(self, world: int, directory, timeout: float = JOB_TIMEOUT,
+                 environment: dict | None = None):
+        # environment: set in each rank before it imports torch; None: a CPU rank's
+        # (``cpu_rank_environment``).
         ctx = multiprocessing.get_context("spawn")
         self.world, self.timeout = world, timeout
         init = f"file://{os.path.join(str(directory), 'rendezvous')}"
         self.conns, self.procs = [], []
         for r in range(world):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, world, init, theirs), daemon=True)
+            p = ctx.Process(target=_serve, args=(r, world, init, theirs, environment),
+                            daemon=True)
             p.start()
             theirs.close()
             self.conns.append(mine)
@@ -122,9 +126,12 @@ def cpu_rank_environment(env) -> None:
     env["CUDA_VISIBLE_DEVICES"] = ""
 
 
-def _serve(rank: int, world: int, init: str, conn) -> None:
+def _serve(rank: int, world: int, init: str, conn, environment=None) -> None:
     """A rank's loop: join the group, then run each job sent until None."""
-    cpu_rank_environment(os.environ)
+    if environment is None:
+        cpu_rank_environment(os.environ)
+    else:
+        os.environ.update(environment)
     import conftest  # noqa: F401  (the interpreter's once-a-launch patch, as in the tests)
     import datetime
 
@@ -145,7 +152,8 @@ def _serve(rank: int, world: int, init: str, conn) -> None:
             conn.send(("ok", globals()[f"job_{job}"](state, **kwargs)))
         except Exception as e:  # the test asserts on it
             conn.send(("error", (type(e).__name__, f"{e}\n{traceback.format_exc()}")))
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- jobs
@@ -171,16 +179,46 @@ def job_build(state, cfg, seed=0, all_reduce="mailbox", poll_timeout=None,
     return [] if segments is None else segments.names
 
 
-def job_forward(state, b, seed, rows=None):
+def job_build_shard(state, cfg, seed=0, poll_timeout=None, device="cpu", widths=()):
+    """This rank's WideMoE over the group from its own shard of the random layer
+    (``reference.random_shard``, drawn on ``device``), warmed up for ``widths``
+    (``WideMoE.warmup``). Replies with this rank's GPU memory allocated before the build
+    and its peak after it (bytes; 0 on a CPU)."""
+    import torch
+    import torch.distributed as dist
+
+    from wide_moe_triton import WideMoE, reference
+
+    state.pop("layer", None)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.set_device(dev)
+    before = torch.cuda.memory_allocated(dev) if cuda else 0
+    mine = reference.random_shard(cfg, seed, state["rank"], state["world"], device=dev)
+    layer = WideMoE.from_module(mine, dist.group.WORLD, poll_timeout=poll_timeout)
+    del mine
+    layer.warmup(widths)
+    state["layer"] = layer
+    return before, torch.cuda.max_memory_allocated(dev) if cuda else 0
+
+
+def job_forward(state, b, seed, rows=None, delay=0.0):
     """The layer's output (bits) for ``make_x(b, seed)``, or for its rows ``rows`` (a
-    slice), and the call's seconds."""
+    slice), and the call's seconds; ``delay``: seconds this rank sleeps first (a late
+    peer). On a GPU the mailbox's error record is read after the call (a sync)."""
     layer = state["layer"]
     x = make_x(b, seed, layer.cfg.hidden)
     if rows is not None:
         x = x[rows]
+    x = x.to(layer.device)
+    time.sleep(delay)
     start = time.monotonic()
     try:
         out = layer(x)
+        if out.is_cuda:
+            layer.check_mailbox()
+            out = out.cpu()
     except Exception as e:
         e.args = (f"{e.args[0] if e.args else e} [after {time.monotonic() - start:.2f} s]",)
         raise
@@ -257,12 +295,70 @@ def job_kill_after_create(state, token):
 
 
 def job_rearm(state):
-    """Every rank: a barrier, ``rearm``, a barrier (no call in flight meanwhile)."""
+    """Every rank: a barrier, ``rearm``, a barrier (no call in flight meanwhile; on a GPU
+    the re-arm is done before the second barrier)."""
+    import torch
     import torch.distributed as dist
 
     dist.barrier()
-    state["layer"].scratch.rearm()
+    layer = state["layer"]
+    layer.scratch.rearm()
+    if layer.device.type == "cuda":
+        torch.cuda.synchronize(layer.device)
     dist.barrier()
+
+
+def job_replays(state, b, seed, replays):
+    """(calls whose bits differ from the first eager call's, calls made): on a GPU
+    ``replays`` replays of a CUDA graph of the call (every rank captures its own; each
+    replay exchanges with the peers' replays), compared on the device; on a CPU
+    ``replays`` eager calls. The error record is read at the end."""
+    import torch
+
+    layer = state["layer"]
+    x = make_x(b, seed, layer.cfg.hidden).to(layer.device)
+    if not x.is_cuda:
+        eager = layer(x)
+        differ = sum(not torch.equal(layer(x).view(torch.int16), eager.view(torch.int16))
+                     for _ in range(replays))
+        return differ, replays
+    # The eager call on a side stream, as capture wants its warm-up calls.
+    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        eager = layer(x)
+    main.wait_stream(side)
+    layer.check_mailbox()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(x)
+    differ = torch.zeros((), dtype=torch.int32, device=layer.device)
+    for _ in range(replays):
+        graph.replay()
+        differ += (out.view(torch.int16) != eager.view(torch.int16)).any().int()
+    torch.cuda.synchronize(layer.device)
+    layer.check_mailbox()
+    return int(differ), replays
+
+
+def job_release(state):
+    """Drop the layer, destroy the process group, hand cached GPU memory back; the GPU
+    memory this rank still has allocated (bytes; 0 on a CPU)."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    layer = state.pop("layer", None)
+    cuda = layer is not None and layer.device.type == "cuda"
+    del layer
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return torch.cuda.memory_allocated() if cuda else 0
 
 
 def job_empty(state):

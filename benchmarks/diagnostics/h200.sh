@@ -23,6 +23,11 @@
 #   regs   the up launch's register cap where maxnreg 96 spilled in the loop (TP1 b = 512,
 #          TP16 b = 512: the table's entry against 96), a fourth stage at TP8, then the
 #          TP1 whole layer
+#   procs  ranks as processes on ONE GPU (fits one H100): procs_gpu.py at T = 2, 4, 8 (a
+#          small config that admits T = 8, and Kimi-K3's dims with PROCS_EXPERTS experts,
+#          default 64), its log $OUT/procs_gpu.log with each check PASS/FAIL; then the
+#          launcher, torchrun -m wide_moe_triton --share-gpus at T = 2, 4, 8 (same dims,
+#          so its kernels are in the cache)
 #   bench  bench_layer over tp8, tp16, then tp1 (whole layer, its batch-invariance line at
 #          E = 896) last, its stock calls being seconds each (BENCH_SHAPES to choose;
 #          results written after each shape and on the timeout's SIGTERM)
@@ -191,7 +196,20 @@ print('table', c.source, c.path, t.get('date'), sorted(t.get('kernels', {})))" >
     show rank0 "^# .* done in|^!!|differs|Traceback|SIGTERM" 30
     for md in "$OUT"/*-tp8-layer.md; do [[ -f "$md" ]] && sed "s/^/  rank0| /" "$md" >> "$SUMMARY"; done
     ;;
-  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|layer|bench|regs|rank0" >&2; exit 2 ;;
+  procs)
+    nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
+    e=${PROCS_EXPERTS:-64}
+    step procs_gpu 400 120 python benchmarks/procs_gpu.py --out "$OUT/procs_gpu.log" \
+      --experts "$e" --budget 300
+    show procs_gpu "FAIL|SKIPPED|procs_gpu:|Traceback|Error" 30
+    for t in 2 4 8; do
+      step "launcher_t$t" 90 40 env OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node "$t" \
+        -m wide_moe_triton --tp "$t" --share-gpus --experts "$e" --wide-rows 256 --batches 1 65
+      show "launcher_t$t" "wide_moe_triton, T|^ +[0-9]+ |GPU memory|OK:|MISMATCH|error" 8
+    done
+    grep -c PASS "$OUT/procs_gpu.log" 2>/dev/null | sed "s/^/  procs| PASS lines: /" >> "$SUMMARY"
+    ;;
+  *) echo "usage: OUT=DIR bash $0 probe|profile|tests|check|tune|layer|bench|regs|rank0|procs" >&2; exit 2 ;;
 esac
 echo "== ${1} (${SECONDS} s of ${BUDGET}) ==" >> "$SUMMARY"
 cat "$SUMMARY"
