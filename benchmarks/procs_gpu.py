@@ -35,10 +35,15 @@ import sys
 import tempfile
 import time
 
+GPU_ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "OMP_NUM_THREADS": "1"}
 DRY = "--dry-run" in sys.argv[1:]
-if DRY:  # before torch and triton are imported: CPU ranks, the interpreter
+# Before torch and triton are imported, here and in every rank this process spawns
+# (a spawned rank runs this module's top again, and inherits the environment).
+if DRY:  # CPU ranks, the interpreter
     os.environ["TRITON_INTERPRET"] = "1"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+else:    # every rank's symmetric memory on the one GPU
+    os.environ.update(GPU_ENV)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,7 +54,6 @@ import torch  # noqa: E402
 from ranks import Died, Ranks, from_numpy, make_x  # noqa: E402
 from wide_moe_triton import SimulatedGroup, WideMoEConfig, reference  # noqa: E402
 
-GPU_ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "OMP_NUM_THREADS": "1"}
 SLACK_S = 15.0      # past the bound: the call's launches, the sync, a loaded host
 BUILD_TIMEOUT_S = 600.0
 
@@ -307,8 +311,9 @@ def main(argv=None) -> int:
              f"configs {configs}; poll bound {args.poll_timeout:g} s; "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
     start = time.monotonic()
-    for name in configs:
-        for world in worlds:
+    # The widest groups first: T = 8 is what a GPU of one's own never exercised.
+    for world in sorted(worlds, reverse=True):
+        for name in configs:
             cfg = (small(wide_rows) if name == "small"
                    else kimi(wide_rows, args.experts)).replace(tp=world)
             if time.monotonic() - start > args.budget:

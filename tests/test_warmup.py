@@ -1,6 +1,7 @@
 """``WideMoE.warmup``: every width's launches run once over stand-in exchange buffers, so
 the first call over a group compiles nothing, and the real buffers stay as they were."""
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -15,9 +16,13 @@ def bits(t):
     return t.view(torch.int16)
 
 
+@pytest.fixture(scope="module")
+def layer():
+    return WideMoE.from_module(LatentMoE(CFG, seed=0, device=DEVICE))
+
+
 @given(widths=st.lists(st.integers(0, 40), max_size=5))
-def test_call_widths_are_the_chunks_forward_makes(widths):
-    layer = WideMoE.from_module(LatentMoE(CFG, seed=0, device=DEVICE))
+def test_call_widths_are_the_chunks_forward_makes(layer, widths):
     expected = set()
     for b in widths:
         chunks = [min(CFG.wide_rows, b - i) for i in range(0, b, CFG.wide_rows)]
@@ -52,8 +57,6 @@ def test_a_stand_in_call_leaves_the_ranks_buffers_as_they_were(b, seed):
 
 
 def test_warmup_builds_every_plan_and_refuses_a_bad_width():
-    import pytest
-
     layer = WideMoE.from_module(LatentMoE(CFG, seed=0, device=DEVICE))
     layer.warmup([3, 17])
     assert sorted(layer._plans) == [1, 3, 8]

@@ -199,11 +199,12 @@ print('table', c.source, c.path, t.get('date'), sorted(t.get('kernels', {})))" >
   procs)
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
     e=${PROCS_EXPERTS:-64}
-    step procs_gpu 400 120 python benchmarks/procs_gpu.py --out "$OUT/procs_gpu.log" \
-      --experts "$e" --budget 300
+    # PROCS_ARGS: more options (e.g. "--worlds 2 4" or "--configs kimi" for a second call)
+    step procs_gpu 330 120 python benchmarks/procs_gpu.py --out "$OUT/procs_gpu.log" \
+      --experts "$e" --budget 230 ${PROCS_ARGS:-}
     show procs_gpu "FAIL|SKIPPED|procs_gpu:|Traceback|Error" 30
     for t in 2 4 8; do
-      step "launcher_t$t" 90 40 env OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node "$t" \
+      step "launcher_t$t" 60 40 env OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node "$t" \
         -m wide_moe_triton --tp "$t" --share-gpus --experts "$e" --wide-rows 256 --batches 1 65
       show "launcher_t$t" "wide_moe_triton, T|^ +[0-9]+ |GPU memory|OK:|MISMATCH|error" 8
     done
