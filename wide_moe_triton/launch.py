@@ -4,11 +4,13 @@
 
 (``python -m wide_moe_triton`` hands over here when torchrun's variables are set). Each
 rank joins the process group (gloo on a CPU, the kernels in Triton's interpreter; NCCL
-on GPUs, one a rank: GPU ``LOCAL_RANK``), builds only its own shard (cut from the whole
-layer drawn from the seed, or read from the checkpoint's slices) over the shared mailbox
-(shared memory on the CPU, symmetric memory on GPUs), and runs the layer at several
-batch widths, one wider than ``wide_rows``. Rank 0 compares each output with the stock
-layer at T = 1; every rank's output bits are hashed and gathered, so the table rank 0
+on GPUs, one a rank: GPU ``LOCAL_RANK``; gloo where ``--share-gpus`` puts several ranks
+on one GPU), builds only its own shard (its blocks of the random layer of the seed,
+``reference.random_shard``, or the checkpoint's slices) over the shared mailbox (shared
+memory on the CPU, symmetric memory on GPUs), compiles every width's kernels
+(``WideMoE.warmup``) and runs the layer at several batch widths, one wider than
+``wide_rows``. Rank 0 compares each output with the stock layer at T = 1, held and run
+on the CPU; every rank's output bits are hashed and gathered, so the table rank 0
 prints says whether all ranks hold the same bits.
 
 Exit codes, the same on every rank where the cause is shared: 0 every width matched on

@@ -23,11 +23,6 @@
 #   regs   the up launch's register cap where maxnreg 96 spilled in the loop (TP1 b = 512,
 #          TP16 b = 512: the table's entry against 96), a fourth stage at TP8, then the
 #          TP1 whole layer
-#   procs  ranks as processes on ONE GPU (fits one H100): procs_gpu.py at T = 2, 4, 8 (a
-#          small config that admits T = 8, and Kimi-K3's dims with PROCS_EXPERTS experts,
-#          default 64), its log $OUT/procs_gpu.log with each check PASS/FAIL; then the
-#          launcher, torchrun -m wide_moe_triton --share-gpus at T = 2, 4, 8 (same dims,
-#          so its kernels are in the cache)
 #   bench  bench_layer over tp8, tp16, then tp1 (whole layer, its batch-invariance line at
 #          E = 896) last, its stock calls being seconds each (BENCH_SHAPES to choose;
 #          results written after each shape and on the timeout's SIGTERM)
@@ -197,6 +192,11 @@ print('table', c.source, c.path, t.get('date'), sorted(t.get('kernels', {})))" >
     for md in "$OUT"/*-tp8-layer.md; do [[ -f "$md" ]] && sed "s/^/  rank0| /" "$md" >> "$SUMMARY"; done
     ;;
   procs)
+    # ranks as processes on ONE GPU (fits one H100): procs_gpu.py at T = 8, 4, 2 (a small
+    # config that admits T = 8, and Kimi-K3's dims with PROCS_EXPERTS experts, default
+    # 64), its log $OUT/procs_gpu.log with each check PASS/FAIL; then the launcher,
+    # torchrun -m wide_moe_triton --share-gpus at T = 2, 4, 8 (the same dims and
+    # wide_rows, so its kernels are in the cache)
     nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
     e=${PROCS_EXPERTS:-64}
     # PROCS_ARGS: more options (e.g. "--worlds 2 4" or "--configs kimi" for a second call)
