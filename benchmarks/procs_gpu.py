@@ -30,7 +30,9 @@ compiled in Triton's cache). Exit 0 when every check passed; 1 when one failed; 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -290,7 +292,16 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _stop(signum, frame) -> None:
+    """On a SIGTERM (a caller's time limit): this process's ranks are killed, so none
+    stays behind on the GPU, then exit."""
+    for child in multiprocessing.active_children():
+        child.kill()
+    sys.exit(128 + signum)
+
+
 def main(argv=None) -> int:
+    signal.signal(signal.SIGTERM, _stop)
     args = parser().parse_args(argv)
     wide_rows = args.wide_rows or (8 if DRY else 256)
     args.widths = args.widths or ([1, 9] if DRY else [1, 65, wide_rows + 1])

@@ -333,7 +333,10 @@ def random_shard(cfg: WideMoEConfig, seed: int = 0, rank: int = 0, world: int = 
     draw = _BlockDraw(seed, torch.device(draw_device) if draw_device is not None else device)
     H, L, E, I, S = (cfg.hidden, cfg.latent, cfg.num_experts, cfg.expert_intermediate,
                      cfg.shared_intermediate)
-    mine = lambda n: range(rank * n // world // MX_BLOCK, (rank + 1) * n // world // MX_BLOCK)  # noqa: E731
+
+    def mine(n: int) -> range:  # this rank's blocks of 32 of a dim TP cuts in T
+        return range(rank * n // world // MX_BLOCK, (rank + 1) * n // world // MX_BLOCK)
+
     bf16 = lambda t: t.to(torch.bfloat16).to(device)  # noqa: E731
     per_rank = E // world
     w = {"gate_weight": bf16(torch.stack([draw.normal((H,), H ** -0.5, "gate", e) for e in

@@ -418,8 +418,8 @@ def _route_kernel(src_ptr, src_row_stride, src_offset, src_parity_stride, mb_gen
         route_rows(program, route_programs, src_ptr, src_row_stride, src_offset,
                    src_parity_stride, mb_gen_ptr, error_ptr, spin_limit, timeout_ns,
                    experts_per_rank, bias_ptr, ids_ptr, w_ptr, counts_ptr, pairs_ptr,
-                   list_gen_ptr, wide_rows, rows, E, scale, TOP_K, RENORMALIZE, CLAIM, POLLED, CANDIDATES, KEPT,
-                   BLOCK_T, S, G, V, ZERO)
+                   list_gen_ptr, wide_rows, rows, E, scale, TOP_K, RENORMALIZE, CLAIM,
+                   POLLED, CANDIDATES, KEPT, BLOCK_T, S, G, V, ZERO)
     elif PLAN:
         tile = program - route_programs
         if POLLED:

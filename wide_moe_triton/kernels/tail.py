@@ -97,8 +97,9 @@ def _sum_slots(tail_ptr, t, c, mask, row_stride, slot_stride, column, world, spi
 
 @triton.jit
 def _all_reduce_rms_norm_kernel(tail_ptr, row_stride, slot_stride, world, spin_limit,
-                                timeout_ns, error_ptr, w_ptr, out_ptr, b, L, eps, PLACE: tl.constexpr,
-                                BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+                                timeout_ns, error_ptr, w_ptr, out_ptr, b, L, eps,
+                                PLACE: tl.constexpr, BLOCK_T: tl.constexpr,
+                                BLOCK_L: tl.constexpr):
     """Rows [pid*BLOCK_T, (pid+1)*BLOCK_T): the latent slots summed, rounded once to BF16,
     then normalized as ``_rms_norm_kernel`` does, as BF16 bits."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
