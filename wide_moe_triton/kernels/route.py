@@ -51,6 +51,7 @@ from . import mailbox as mb
 from . import plan as plan_k
 from . import quiet
 from .bits import f32_to_bf16_bits
+from .lists import RoutingLists
 
 KERNEL = "route"
 KERNEL_PLAN = "route_plan"  # the launch that runs the plan's tiles too
@@ -86,47 +87,6 @@ def expert_tiling(num_experts: int) -> tuple[int, int, int]:
     v = min(4, max(1, block_e // 32))
     s = min(8, max(1, block_e // (32 * v)))
     return s, block_e // (s * v), v
-
-
-@dataclasses.dataclass
-class RoutingLists:
-    """Per-expert routing lists of both parities.
-
-    ``counts`` int32 [2, E]: pairs listed per expert; ``pairs`` int32 [2, E, wide_rows]:
-    ``pairs[p, e, :counts[p, e]]`` are the pair ids ``t*K + k`` routed to expert e in the
-    call of parity p (in claim order, which varies run to run); ``generation`` int32 [1]:
-    the call counter whose low bit is the parity the route claims in."""
-
-    counts: torch.Tensor
-    pairs: torch.Tensor
-    generation: torch.Tensor
-
-    @classmethod
-    def empty(cls, num_experts: int, wide_rows: int, device, generation=None) -> "RoutingLists":
-        """Zeroed lists (both parities) for ``num_experts`` experts of up to ``wide_rows``
-        pairs each, with a fresh generation counter (0) unless one is given to share."""
-        for name, value in (("num_experts", num_experts), ("wide_rows", wide_rows)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if generation is None:
-            generation = torch.zeros(1, dtype=torch.int32, device=device)
-        return cls(torch.zeros(2, num_experts, dtype=torch.int32, device=device),
-                   torch.zeros(2, num_experts, wide_rows, dtype=torch.int32, device=device),
-                   generation)
-
-    @property
-    def num_experts(self) -> int:
-        return self.counts.shape[1]
-
-    @property
-    def wide_rows(self) -> int:
-        return self.pairs.shape[2]
-
-    def check(self, num_experts: int, device) -> None:
-        """Raise naming the field unless the lists fit ``num_experts`` on ``device``."""
-        check_tensor("lists.counts", self.counts, torch.int32, (2, num_experts), device)
-        check_tensor("lists.pairs", self.pairs, torch.int32, (2, num_experts, None), device)
-        check_tensor("lists.generation", self.generation, torch.int32, (1,), device)
 
 
 # ----------------------------------------------------------------------------- jit helpers
@@ -647,10 +607,10 @@ def route_mailbox(mailbox: torch.Tensor, generation: torch.Tensor, rows: int,
     """``route`` of the logits in this rank's ``mailbox`` (int16/BF16 [2, wide_rows,
     latent + 2E]), rows 0..rows-1 of parity ``generation[0] & 1`` (read on the device).
 
-    Each row's E logits words are polled until published (at most ``spin_limit`` rounds
-    or ``poll_timeout`` seconds, ``mailbox.poll``;
-    on a timeout the ranks of the still-empty words and the parity go to ``error``, int32
-    [2], and routing proceeds on what was read: ids stay in [0, E)), then re-armed.
+    Each row's E logits words are polled until published (``mailbox.poll``: at most
+    ``spin_limit`` rounds or ``poll_timeout`` seconds; on a timeout the ranks of the
+    still-empty words and the parity go to ``error``, int32 [2], and routing proceeds on
+    what was read: ids stay in [0, E)), then re-armed.
     ``world`` ranks own E/world words each. Everything else as ``route``."""
     logits, num_experts = _mailbox_logits(mailbox, generation, rows, bias, top_k, renormalize,
                                           scale, latent, world, error, spin_limit,
