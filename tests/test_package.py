@@ -163,3 +163,15 @@ def test_an_installed_wheel_finds_the_shipped_tables(tmp_path):
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr == ("wide-moe: error: argument --batches: "
                                                   "must be a positive integer, got 0\n"), run
+
+
+# A file a concern: a module past this has grown a second one to split out.
+MAX_LINES = 700
+
+
+def test_no_package_file_is_over_the_line_limit():
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for p in (ROOT / "wide_moe_triton").rglob("*.py")}
+    assert sizes, "no package source found"
+    over = {name: n for name, n in sizes.items() if n > MAX_LINES}
+    assert not over, f"package files over {MAX_LINES} lines: {over}"
