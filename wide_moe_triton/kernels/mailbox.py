@@ -283,21 +283,25 @@ def poll(ptrs, mask, column, per_rank, spin_limit, timeout_ns, error_ptr, parity
     """The words at ``ptrs`` (where ``mask``; masked-off lanes read 0) once published:
     volatile reads, repeated for the words still equal to ``SENTINEL`` until none is, or
     ``timeout_ns`` nanoseconds have passed on the GPU's clock, or ``spin_limit`` rounds
-    (at least one) are done. Once a poll has timed out (the error record names a place)
-    a poll reads once and does not wait: a silent peer costs one bound a call, not one
-    a poll. On a timeout the still-empty words are returned as read (the sentinel) and
-    their owners recorded (``record_missing``: ``column``, same shape, each word's
-    column, ``per_rank`` columns a rank)."""
+    (at least one) are done. While the error record names a place (a poll has timed out,
+    until ``rearm()``), a poll reads once and does not wait: a silent peer costs one
+    bound, not one a poll. On a timeout the still-empty words are returned as read (the
+    sentinel) and their owners recorded (``record_missing``: ``column``, same shape, each
+    word's column, ``per_rank`` columns a rank)."""
     values = tl.load(ptrs, mask=mask, other=0, volatile=True)
     # Both sentinels (-0 as BF16 or FP32 bits) are the least value of their integer type:
     # one min finds any empty word, and the per-word bookkeeping runs only then.
     if tl.min(values) == SENTINEL:
         empty = mask & (values == SENTINEL)
-        limit = tl.where(tl.load(error_ptr + 1, volatile=True) != 0, 1, spin_limit)
+        # The loop's condition must be the same in every thread of the program (its
+        # reductions are barriers), but the error word and the clock are read by each
+        # thread at its own moment: both enter it only through a reduction.
+        timed_out = tl.max(tl.load(error_ptr + 1 + tl.zeros_like(column), volatile=True))
+        limit = tl.where(timed_out != 0, 1, spin_limit)
         rounds = 1
         start = clock_ns()
-        while (tl.max(empty.to(tl.int32)) != 0) & (rounds < limit) & (
-                clock_ns() - start < timeout_ns):
+        while (tl.max((empty & (clock_ns() - start < timeout_ns)).to(tl.int32)) != 0) & (
+                rounds < limit):
             again = tl.load(ptrs, mask=empty, other=SENTINEL, volatile=True)
             values = tl.where(empty, again, values)
             empty = empty & (values == SENTINEL)
