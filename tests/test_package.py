@@ -83,7 +83,7 @@ def test_a_users_table_wins_over_the_shipped_one(tables, monkeypatch):
     tuning.clear_caches()
     assert tuning.find_table(H200) == tables / "NVIDIA_H200.json"
     assert tuning.load_table(H200) == user_table("2026-12-06")
-    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: H200)
+    monkeypatch.setattr(tuning, "gpu_info", lambda device=None: tuning.GpuInfo(H200))
     assert tuning.config_for("finalize", "L3584_K16", 40, {"BLOCK_T": 1, "num_warps": 4}) == \
         {"BLOCK_T": 3, "num_warps": 4}
 

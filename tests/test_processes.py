@@ -17,7 +17,7 @@ from hypothesis import given, settings, strategies as st
 from conftest import DEVICE, QUICK
 from ranks import Died, Ranks, as_bits, cpu_rank_environment, from_numpy, make_x
 from test_module import assert_close_to_stock
-from wide_moe_triton import LatentMoE, SimulatedGroup, WideMoEConfig, checkpoint
+from wide_moe_triton import LatentMoE, WideMoEConfig, checkpoint
 from wide_moe_triton.kernels import mailbox as mailbox_k
 from wide_moe_triton.processes import PREFIX, SHM_DIR
 

@@ -58,7 +58,7 @@ ALL_REDUCES = ("mailbox", "nccl")  # the tail's all-reduces (``WideMoE``)
 # CPU ranks as processes: how long a rank waits for its peers' words before it raises
 # naming them. A healthy peer lags by at most its share of one call in Triton's
 # interpreter (seconds at the tiny dims); this leaves room for a loaded machine.
-DEFAULT_POLL_TIMEOUT = 60.0
+DEFAULT_HOST_WAIT_S = 60.0
 
 
 class WideMoE(nn.Module):
@@ -140,7 +140,7 @@ class WideMoE(nn.Module):
         None: ``WideScratch.for_group``, symmetric memory on a GPU, shared memory on the
         CPU). ``all_reduce``: "mailbox" or "nccl" (see the class); None: "mailbox" unless
         ``scratch`` was made without tail rows (then "nccl", with a warning).
-        ``poll_timeout``: seconds (see the class); None: ``DEFAULT_POLL_TIMEOUT`` (60 s of
+        ``poll_timeout``: seconds (see the class); None: ``DEFAULT_HOST_WAIT_S`` (60 s of
         host waits) for CPU ranks of a group, else the kernels' own bound
         (``mailbox.DEFAULT_POLL_TIMEOUT_S``, 10 s on a GPU's clock).
 
@@ -174,7 +174,7 @@ class WideMoE(nn.Module):
                 cfg, device, group, tail=all_reduce != "nccl"))
         _check_scratch(scratch, cfg, device)
         if poll_timeout is None and world > 1 and device.type == "cpu":
-            poll_timeout = DEFAULT_POLL_TIMEOUT
+            poll_timeout = DEFAULT_HOST_WAIT_S
         return cls(cfg, _to(weights, device), scratch, group=group, all_reduce=all_reduce,
                    poll_timeout=poll_timeout)
 

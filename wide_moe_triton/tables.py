@@ -79,7 +79,7 @@ def _gpu(args, p: cli.Parser) -> tuning.GpuInfo | None:
         if any(v is not None for v in (args.capability, args.sms, args.memory_gb)):
             p.error("--capability, --sms and --memory-gb go with --gpu-name")
         return here
-    if args.capability is not None and not _is_capability(args.capability):
+    if args.capability is not None and not tuning.is_capability(args.capability):
         p.error(f"argument --capability: must be major.minor, e.g. 9.0, got "
                 f"{args.capability!r}")
     known = here if here is not None and here.name == args.gpu_name else \
@@ -87,10 +87,6 @@ def _gpu(args, p: cli.Parser) -> tuning.GpuInfo | None:
     return tuning.GpuInfo(args.gpu_name, args.capability or known.capability,
                           args.sms or known.sm_count, args.memory_gb or known.memory_gb)
 
-
-def _is_capability(text: str) -> bool:
-    major, dot, minor = text.partition(".")
-    return bool(dot) and major.isdigit() and minor.isdigit()
 
 
 def describe(gpu: tuning.GpuInfo) -> str:
@@ -128,7 +124,8 @@ def planning_layer(cfg, gpu: tuning.GpuInfo):
     from . import layout
     from .kernels.experts import layout as experts_layout
     from .kernels.experts import prepare_weights
-    from .module import WideMoE, WideScratch
+    from .module import WideMoE
+    from .scratch import WideScratch
     from .reference import LatentMoE
     from .sharding import shard
 

@@ -19,7 +19,7 @@ wide_moe_triton.tables`` (``wide-moe tables``) prints it. Their layout::
      "capability": "9.0", "sm_count": 132, "memory_gb": 141.0,
      "kernels": {KERNEL: {SHAPE: {BUCKET: {config}}}}}
 
-(``capability``, ``sm_count``, ``memory_gb``: the GPU's, ``header_fields``; what a
+(``capability``, ``sm_count``, ``memory_gb``: the GPU's, ``device_properties``; what a
 fallback is chosen by. A table without them is never another GPU's fallback.)
 
 SHAPE is the kernel's own key of the dims that change its best config (e.g.
@@ -114,14 +114,20 @@ class GpuInfo(NamedTuple):
 def gpu_info(device=None) -> GpuInfo | None:
     """The CUDA device's ``GpuInfo`` (name as ``gpu_name``, properties from
     ``torch.cuda.get_device_properties``), or None on CPU and in Triton's interpreter."""
-    name = gpu_name(device)
-    if name is None:
-        return None
-    return GpuInfo(name, **device_properties(device))
+    index = _cuda_index(device)
+    return None if index is None else _gpu_info(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_info(index: int) -> GpuInfo:
+    # Cached: the tail's launches look their configs up at every call across ranks.
+    return GpuInfo(_device_name(index), **dict(_properties(index)))
 
 
 def device_properties(device=None) -> dict:
-    """``header_fields`` of the CUDA device, {} on CPU and in Triton's interpreter."""
+    """The fields a table's header holds about the CUDA device (``HEADER_FIELDS``, which
+    the tuner writes beside "gpu"): compute capability, SM count, memory in GB; {} on
+    CPU and in Triton's interpreter."""
     index = _cuda_index(device)
     return {} if index is None else dict(_properties(index))
 
@@ -135,10 +141,11 @@ def _properties(index: int) -> tuple:
             ("memory_gb", round(p.total_memory / 1e9, 1)))
 
 
-def header_fields(device=None) -> dict:
-    """The fields a table's header holds about its GPU (``HEADER_FIELDS``), which the
-    tuner writes beside "gpu": compute capability, SM count, memory in GB, from torch."""
-    return device_properties(device)
+def is_capability(text: str) -> bool:
+    """Whether ``text`` is a compute capability as a table's header holds it: "major.minor"
+    in digits (e.g. "9.0")."""
+    major, dot, minor = text.partition(".")
+    return bool(dot) and major.isdigit() and minor.isdigit()
 
 
 def user_dir() -> pathlib.Path:
@@ -180,7 +187,7 @@ def _check_table(path: pathlib.Path, table) -> dict:
         if not isinstance(table.get(field), str):
             bad(field, "must be a string")
     if "capability" in table and not (isinstance(table["capability"], str) and
-                                      table["capability"].replace(".", "", 1).isdigit()):
+                                      is_capability(table["capability"])):
         bad("capability", 'must be a compute capability as a string, e.g. "9.0"')
     for field in ("sm_count", "memory_gb"):
         value = table.get(field)
@@ -270,8 +277,9 @@ def _fallback_why(gpu: GpuInfo, path) -> str:
 
 
 def candidate_tables() -> list:
-    """Every table a fallback may take: the user's directory's, then the shipped ones
-    whose file name the user's directory does not hold (paths, by file name)."""
+    """Every table a fallback may take (paths, sorted by file name): the user's
+    directory's, and the shipped ones whose file name the user's directory does not
+    hold."""
     found = {}
     for where in (SHIPPED, user_dir()):
         if where.is_dir():
@@ -290,14 +298,12 @@ def nearest_table(gpu: GpuInfo, paths) -> object | None:
     then the first by file name. None when ``gpu``'s capability is unknown or no table
     matches it.
 
-    The grounds measured so far are mixed: on an H100 80GB HBM3 (132 SMs, as the H200)
-    the H200's table against every kernel's default, the whole layer at T = 1 as a CUDA
-    graph, took 381.8 against 314.4 µs at b = 1, 838.3 against 843.4 at b = 65 and 9507
-    against 10121 at b = 1024 (``benchmarks/host_overhead.py --gpu --experts 64``, where
-    only the shared expert's, the up-projection's, finalize's and the RMSNorm's entries
-    applied: the experts', the route's and the front's are keyed by E = 896). The whole
-    table against the defaults, ``host_overhead.py --gpu --experts 896 --tables none
-    PATH``, decides whether the rule stands; the README states the result."""
+    Why a sibling's table rather than the defaults: the layer serves 65 to 1024 rows, and
+    there, on an H100 80GB HBM3 (132 SMs, as the H200), the H200's table was no slower
+    than the defaults (the whole layer as a CUDA graph at E = 64, where only the entries
+    keyed by E = 64 applied: 838 against 843 µs at b = 65, 9507 against 10121 at
+    b = 1024), though slower at b = 1 (382 against 314;
+    ``benchmarks/results/2026-12-06-H100-tables-host.md``)."""
     if gpu.capability is None:
         return None
     same = [(p, read_table(p)) for p in paths]

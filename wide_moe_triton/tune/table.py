@@ -52,7 +52,7 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
                    for s, buckets in shapes.items()} for k, shapes in done.items()}
     # The GPU's capability, SMs and memory: what a GPU without a table of its own is
     # matched on when it falls back to the nearest table (tuning.nearest_table).
-    table = {"gpu": name, **tuning.header_fields(), "triton": triton.__version__, "torch": torch.__version__,
+    table = {"gpu": name, **tuning.device_properties(), "triton": triton.__version__, "torch": torch.__version__,
              "date": datetime.date.today().isoformat(),
              "dims": "Kimi-K3 (H 7168, L 3584, E 896, K 16, I 3072) rank-local shapes",
              "kernels": kernels, "timings_us": timings}
@@ -64,8 +64,8 @@ def write_table(done: dict, path: pathlib.Path, args=None) -> None:
                           f"{' (stopped at --time-limit: incomplete)' if args.stopped else ''}")
         old = _base_table(path, gpu) if args.kernels else None
         if old is not None:
-            # An entry without the marker (a partial file of an older sweep) is taken
-            # as having reduction keys: replaced whole, as every entry was then.
+            # An entry without the marker is taken as having reduction keys: replaced
+            # whole, the choice that can never mix two entries' reduction orders.
             whole = {(k, s) for k, shapes in done.items() for s, buckets in shapes.items()
                      if any(c.get("_reduction", True) for c in buckets.values())}
             table["kernels"] = _fold(old.get("kernels", {}), kernels, whole)
