@@ -17,7 +17,10 @@ import torch
 # Decided once, as ``triton.jit`` decides at import whether the kernels run interpreted.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
-if _INTERPRETED:  # before any kernel is defined or launched
+# Before any kernel is defined or launched. compat replaces definitions in Triton's
+# interpreter module itself, so every interpreted kernel of the process, not only
+# these, runs under them from here on.
+if _INTERPRETED:
     from .compat import match_interpreter_to_triton_3_9
 
     match_interpreter_to_triton_3_9()

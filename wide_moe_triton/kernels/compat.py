@@ -12,20 +12,40 @@ Two definitions of Triton 3.6's interpreter differ from 3.9's, and the kernels m
   computes them with ``np.maximum``/``np.minimum``, which return the NaN (the route
   counts a NaN bound as -inf through exactly that rule). 3.9 uses ``np.fmax``/``np.fmin``.
 
-Only the interpreter changes: compiled kernels call neither. On 3.9 both are already so
-and nothing is replaced; a Triton whose interpreter lacks these names is left as it is.
+Only the interpreter changes, for the whole process (its module's definitions are
+replaced): compiled kernels call neither. The ``__index__`` of 3.9 is installed on every
+Triton whose interpreter has the names it wraps, 3.9 included, where it sets the
+definition 3.9 already has and so changes nothing; ``maxnumf``/``minnumf`` are replaced
+only where a probe finds them returning the NaN, so on 3.9 they stay as they are. Where a
+name is missing, or the probe fails, a warning names it and what is then not matched.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import triton.language as tl
+
+_INDEX = "a loop bound computed from a program id (tensor.__index__)"
+_NAN = "tl.maximum/tl.minimum of floats beside a NaN (maxnumf/minnumf)"
+_warned: set[str] = set()
+
+
+def _not_matched(why: str, what: str) -> None:
+    # Once a message: the install may run again (the tests call it) and says nothing new.
+    message = (f"wide_moe_triton: Triton's interpreter {why}; {what} is not matched to "
+               f"Triton 3.9 and may fail or differ from a GPU")
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def match_interpreter_to_triton_3_9() -> None:
     try:
         from triton.runtime import interpreter
-    except ImportError:
+    except ImportError as e:
+        _not_matched(f"cannot be imported ({e})", f"{_INDEX}, nor {_NAN},")
         return
     _index_of_one_element_arrays(interpreter)
     _number_wins_over_nan(interpreter)
@@ -35,8 +55,12 @@ def _index_of_one_element_arrays(interpreter) -> None:
     """Wherever the interpreter patches the language for a launch, install 3.9's
     ``__index__`` after its own (and restore it with the rest)."""
     original = getattr(interpreter, "_patch_lang_tensor", None)
-    if (original is None or not hasattr(interpreter, "_LangPatchScope")
-            or getattr(original, "squeezes_index", False)):
+    for name, present in (("_patch_lang_tensor", original is not None),
+                          ("_LangPatchScope", hasattr(interpreter, "_LangPatchScope"))):
+        if not present:
+            _not_matched(f"has no {name}", _INDEX)
+            return
+    if getattr(original, "squeezes_index", False):
         return
 
     def patch_lang_tensor(tensor, scope):
@@ -50,23 +74,28 @@ def _index_of_one_element_arrays(interpreter) -> None:
 def _number_wins_over_nan(interpreter) -> None:
     """``maxnumf``/``minnumf`` as ``np.fmax``/``np.fmin`` (IEEE maxNum/minNum)."""
     builder = getattr(interpreter, "InterpreterBuilder", None)
-    if builder is None or not all(hasattr(builder, n) for n in ("create_maxnumf",
-                                                                "create_minnumf")):
+    if builder is None:
+        _not_matched("has no InterpreterBuilder", _NAN)
         return
+    for name in ("create_maxnumf", "create_minnumf", "binary_op"):
+        if not hasattr(builder, name):
+            _not_matched(f"has no InterpreterBuilder.{name}", _NAN)
+            return
     nan, one = np.array([np.nan], np.float32), np.array([1.0], np.float32)
 
-    def keeps_number(create, numpy_fn) -> bool:
-        # Asked of the definition itself, so a Triton that already keeps the number is
-        # left untouched.
-        handle = interpreter.TensorHandle
+    def keeps_number(name, numpy_fn) -> bool | None:
+        """Whether the definition itself keeps the number, so that a Triton that already
+        does is left untouched; None where it cannot be asked."""
         try:
-            got = create(builder.__new__(builder), handle(nan, tl.float32),
-                         handle(one, tl.float32))
-        except Exception:
-            return True
-        return bool(np.array_equal(got.data, numpy_fn(nan, one), equal_nan=True))
+            handle = interpreter.TensorHandle
+            got = getattr(builder, name)(builder.__new__(builder),
+                                         handle(nan, tl.float32), handle(one, tl.float32))
+            return bool(np.array_equal(got.data, numpy_fn(nan, one), equal_nan=True))
+        except Exception as e:  # the probe's own failure, not a verdict on the definition
+            _not_matched(f"could not be probed ({name}: {type(e).__name__}: {e})", _NAN)
+            return None
 
     for name, numpy_fn in (("create_maxnumf", np.fmax), ("create_minnumf", np.fmin)):
-        if not keeps_number(getattr(builder, name), numpy_fn):
+        if keeps_number(name, numpy_fn) is False:
             setattr(builder, name, lambda self, lhs, rhs, fn=numpy_fn:
                     self.binary_op(lhs, rhs, fn))
