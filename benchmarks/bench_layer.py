@@ -27,6 +27,11 @@ balanced routing, stage by stage too, beside its per-rank floor and the seed's f
 interpreter, one untimed call a row, nominal floors): it checks the script, not the
 kernels' speed.
 
+Exit status: 1 where anything failed, after the rows it has are written: a part (a
+shape, a simulated group) that raised, and with ``--rank0`` also a width whose rank 0
+differs from ``SimulatedGroup``'s or a poll that timed out (benchmarks/rank0.py); 0
+otherwise; 124 when stopped by SIGTERM.
+
 Peers of the experts stage at the TP shapes: ``torch._grouped_mm`` (BF16) and, when
 ``triton_kernels`` is importable (``PYTHONPATH=.peers``, see benchmarks/peers.py and
 NOTES.md), Triton's MXFP4 ``matmul_ogs``. ``--experts-only`` times the experts rows alone
@@ -799,21 +804,24 @@ def shape_part(stock, tp, label, args, layer_batches, machine) -> None:
                with_peers=not args.no_peers, experts_only=args.experts_only)
 
 
-def rank0_part(args, machine) -> None:
+def rank0_part(args, machine) -> int:
     """``--rank0``: rank 0's whole layer of each shape (benchmarks/rank0.py), its files
-    rewritten after every width (a run stopped by its timeout keeps them)."""
+    rewritten after every width (a run stopped by its timeout keeps them); the exit
+    status, 1 where a shape raised or a width failed."""
     run = rank0.Rank0Run(sys.modules[__name__], machine, pathlib.Path(args.out))
     for label in args.shapes:
         cfg = dims(int(label[2:]))
         t0 = time.time()
         try:
             run.shape(label, cfg, [b for b in args.batches if b <= cfg.wide_rows])
-        except Exception:
+        except Exception as err:  # the other shapes still run; the status says it failed
             traceback.print_exc()
+            run.failed(f"{label} raised {type(err).__name__}: {str(err)[:300]}")
         print(f"# {label} done in {time.time() - t0:.0f} s", flush=True)
     run.write()
     for line in run.markdown(run.rows()):
         print(line)
+    return run.exit_status()
 
 
 def keep_rows_on_sigterm(out_dir: pathlib.Path, machine) -> None:
@@ -876,7 +884,7 @@ def main(argv=None):
     t0 = time.time()
     stock = LatentMoE(dims(1), seed=0, device=DEVICE)
     print(f"# stock layer built in {time.time() - t0:.0f} s")
-    parts = []
+    parts, failures = [], []
     for label in args.shapes:
         parts.append((label, lambda tp=int(label[2:]), label=label: shape_part(
             stock, tp, label, args, layer_batches, machine)))
@@ -887,15 +895,19 @@ def main(argv=None):
         t0 = time.time()
         try:
             part()
-        except Exception:
+        except Exception as err:  # the other parts still run; the status says it failed
             traceback.print_exc()
+            failures.append(f"{label} raised {type(err).__name__}: {str(err)[:300]}")
         free_memory()
         print(f"# {label} done in {time.time() - t0:.0f} s", flush=True)
         if ROWS:  # after every part: a run stopped by a timeout keeps what finished
             write_outputs(pathlib.Path(args.out), machine)
     if ROWS:
         summary()
+    for what in failures:
+        print(f"# failed: {what}", flush=True)
+    return rank0.exit_status(failures)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

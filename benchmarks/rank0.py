@@ -13,6 +13,11 @@ copies' own time (a graph of them alone) is subtracted from the layer's and repo
 its own row. Rank 0's output must have the bits of ``SimulatedGroup``'s rank 0 before a
 width is timed.
 
+A run counts its failures (a width whose rank 0 differs from ``SimulatedGroup``'s, a
+shape that raised, a poll that timed out during a timing) and, after writing the rows it
+has, exits 1 where there was any (``exit_status``), so that a run that timed less than
+was asked is not taken for a clean one.
+
 Per-rank floor: the bytes rank 0 must move, counted from the width's actual routing
 (``rank_floor``), over the copy bandwidth measured in the same run. Stage rows time each
 stage alone from CUDA graphs, in the same state the layer leaves it (pre-filled where
@@ -353,8 +358,14 @@ def gpu_tag(name: str) -> str:
     return found.group(1) if found and "dry run" not in name else "dry-run"
 
 
+def exit_status(failures) -> int:
+    """A run's exit status from the failures it counted: 1 where there was any, else 0."""
+    return 1 if len(failures) else 0
+
+
 class Rank0Run:
-    """One ``--rank0`` run: every shape's rows, written after each width."""
+    """One ``--rank0`` run: every shape's rows, written after each width, and its
+    failures (``failed``), which make its exit status 1."""
 
     def __init__(self, bl, machine, out_dir: pathlib.Path, seed: int = 0):
         self.bl, self.machine, self.seed = bl, machine, seed
@@ -364,6 +375,16 @@ class Rank0Run:
         self.touched: dict[tuple, int] = {}            # (shape, routing, b) -> experts touched
         self.cfgs: dict[str, WideMoEConfig] = {}       # shape label -> its dims
         self.notes: list[str] = []
+        self.failures: list[str] = []
+
+    def failed(self, what: str) -> None:
+        print(f"!! {what}", flush=True)
+        self.failures.append(what)
+
+    def exit_status(self) -> int:
+        for what in self.failures:
+            print(f"# failed: {what}", flush=True)
+        return exit_status(self.failures)
 
     # -- one shape
 
@@ -402,11 +423,14 @@ class Rank0Run:
         print(f"   {label} {routing} b={b}: {touched} experts touched; rank 0 alone vs "
               f"SimulatedGroup's rank 0: {check}", flush=True)
         if check != "bitwise":
-            print(f"!! {label} {routing} b={b}: rank 0 alone differs: not timed")
+            self.failed(f"{label} {routing} b={b}: rank 0 alone differs: not timed")
             return
         fill_s = bl.bench(fill)
         layer_s = self.layer_seconds(call) - fill_s
-        check += polls_clear(layer)
+        polls = polls_clear(layer)
+        if polls:
+            self.failed(f"{label} {routing} b={b}{polls}")
+        check += polls
         bl.record(label, b, LAYER, impl, max(layer_s, 1e-9), sum(parts.values()), self.machine,
                   check=check)
         bl.record(label, b, FILL, impl, fill_s, fill.nbytes(), self.machine)

@@ -1,10 +1,12 @@
 """benchmarks/rank0.py's per-rank floor: its byte count equals one made independently, from
 the shard's buffer shapes (``layout.buffers``), the mailbox's and the tail rows' dims and
-the set of experts a drawn routing touches."""
+the set of experts a drawn routing touches; a ``--rank0`` run's exit status from the
+failures it counted."""
 
 import math
 import pathlib
 import sys
+from types import SimpleNamespace
 
 from hypothesis import given, settings, strategies as st
 
@@ -51,3 +53,16 @@ def test_rank_floor_counts_every_byte(cfg, data):
     # every stage's share is a part of the floor, each part in exactly one share
     shared = sorted(k for keys in rank0.STAGE_FLOOR.values() for k in keys)
     assert shared == sorted(parts)
+
+
+@given(failures=st.lists(st.sampled_from([
+    "tp8 uniform b=65: rank 0 alone differs: not timed",
+    "tp8 balanced b=80; a poll timed out: error word 2",
+    "tp16 raised RuntimeError: out of memory"]), max_size=3))
+def test_a_run_with_any_failure_exits_1(failures, tmp_path_factory):
+    run = rank0.Rank0Run(None, SimpleNamespace(name="dry run"),
+                         tmp_path_factory.mktemp("rank0"))
+    assert run.exit_status() == 0
+    for what in failures:
+        run.failed(what)
+    assert run.exit_status() == rank0.exit_status(failures) == (1 if failures else 0)
