@@ -12,11 +12,11 @@
 #   check  the matmul_ogs peer's test, then reliability: invariance + claim order +
 #          2 000 graph replays at b = 65 / 256 / 1024 (E = 896), memcheck and racecheck
 #          on a tiny run
-#   tune   the quick sweep at TP8, TP16, TP1 into $OUT/NVIDIA_H200.json (candidates
+#   tune   the quick sweep at TP8, TP16, TP1 into $OUT/<GPU name>.json (candidates
 #          compiled in a thread pool first; TUNE_RESUME=FILE goes on from an earlier
-#          call's .partial.json); fold it into wide_moe_triton/autotune_configs/ and copy
-#          $OUT/NVIDIA_H200.md (tuned vs default at every point, same run) to
-#          benchmarks/results/H200-tuning.md before `bench`
+#          call's .partial.json); fold it into autotune_configs/ and copy $OUT/<GPU
+#          name>.md (tuned vs default at every point, same run) to
+#          benchmarks/results/<GPU>-tuning.md before `bench`
 #   layer  the whole layer at T = 1 and at simulated T = 2 (the tail's all-reduces over the
 #          mailbox) at b = 1 / 65 / 1024, eager and graph, the stock layer timed at b = 1
 #          only; then host_overhead.py --gpu (eager minus graph a call at b = 1 / 65 / 1024)
